@@ -1,0 +1,32 @@
+"""accum_jax: exact, lean gradient accumulation for JAX and Optax."""
+
+from importlib import metadata as _metadata
+
+from accum_jax._core import Accumulator
+from accum_jax._multisteps import MultiSteps
+from accum_jax._transform import (
+    AccumulationState,
+    EveryKSchedule,
+    ShouldSkipUpdateFunction,
+    accumulate,
+    every_k_schedule,
+    has_updated,
+    optimizer_step,
+)
+
+try:
+  __version__ = _metadata.version("accum_jax")
+except _metadata.PackageNotFoundError:  # running from a source tree
+  __version__ = "0.0.0"
+
+__all__ = (
+    "Accumulator",
+    "AccumulationState",
+    "EveryKSchedule",
+    "MultiSteps",
+    "ShouldSkipUpdateFunction",
+    "accumulate",
+    "every_k_schedule",
+    "has_updated",
+    "optimizer_step",
+)

@@ -1,0 +1,85 @@
+"""A drop-in for ``optax.MultiSteps``, built on :func:`accum_jax.accumulate`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from accum_jax import _transform
+
+
+class MultiSteps:
+  """Drop-in replacement for ``optax.MultiSteps``.
+
+  The constructor, the methods and the state fields users read (``mini_step``,
+  ``gradient_step``, ``inner_opt_state``, ``acc_grads``) are Optax's; switch
+  with one import. Built on :func:`accum_jax.accumulate`, it also:
+
+  - computes the inner update only on the call that applies it;
+  - skips (and counts) non-finite gradients even without a skip function;
+  - accepts ``weight=`` and ``flush=`` in ``update``.
+
+  ``acc_grads`` holds the weighted *sum* of the window's gradients (Optax keeps
+  their running mean).
+
+  Args:
+    opt: the wrapped optimizer.
+    every_k_schedule: an int >= 1, or a callable from the gradient step to the
+      number of mini-steps per update.
+    use_grad_mean: average the accumulated gradients (True) or sum them.
+    should_skip_update_fn: an Optax skip function such as
+      ``optax.skip_not_finite`` or ``functools.partial(optax.skip_large_updates,
+      max_squared_norm=...)``; a mini-step it rejects is not accumulated, and
+      what it reports lands in ``state.skip_state``.
+    accumulator_dtype: dtype of the accumulator; float32 by default.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, accum_jax
+    >>> opt = accum_jax.MultiSteps(optax.adam(1e-3), every_k_schedule=4)
+    >>> state = opt.init({"w": jnp.zeros(2)})
+    >>> int(state.mini_step), int(state.gradient_step)
+    (0, 0)
+  """
+
+  def __init__(
+      self,
+      opt: optax.GradientTransformation,
+      every_k_schedule: int | _transform.EveryKSchedule,
+      use_grad_mean: bool = True,
+      should_skip_update_fn: _transform.ShouldSkipUpdateFunction | None = None,
+      accumulator_dtype: Any = jnp.float32,
+  ):
+    self._opt = optax.with_extra_args_support(opt)
+    self._transform = _transform._accumulate(
+        self._opt,
+        every_k_schedule,
+        reduction="mean" if use_grad_mean else "sum",
+        accumulator_dtype=accumulator_dtype,
+        should_skip_update_fn=should_skip_update_fn,
+        every_k_name="every_k_schedule",
+    )
+
+  @property
+  def inner_opt(self) -> optax.GradientTransformationExtraArgs:
+    return self._opt
+
+  def init(self, params: Any) -> _transform.AccumulationState:
+    return self._transform.init(params)
+
+  def update(
+      self,
+      updates: Any,
+      state: _transform.AccumulationState,
+      params: Any = None,
+      **extra_args: Any,
+  ) -> tuple[Any, _transform.AccumulationState]:
+    return self._transform.update(updates, state, params, **extra_args)
+
+  def has_updated(self, state: Any) -> jax.Array:
+    return _transform.has_updated(state)
+
+  def gradient_transformation(self) -> optax.GradientTransformationExtraArgs:
+    return self._transform

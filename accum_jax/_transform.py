@@ -1,0 +1,347 @@
+"""Accumulation across calls: an Optax gradient transformation."""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple, Protocol
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from accum_jax import _core
+
+
+class EveryKSchedule(Protocol):
+  """Maps the optimizer step (updates applied so far) to the window length."""
+
+  def __call__(self, optimizer_step: jax.Array) -> jax.typing.ArrayLike:
+    ...
+
+
+class ShouldSkipUpdateFunction(Protocol):
+  """Optax's skip-function protocol, e.g. ``optax.skip_not_finite``."""
+
+  def __call__(
+      self, updates: Any, gradient_step: jax.Array, params: Any
+  ) -> tuple[jax.typing.ArrayLike, Any]:
+    ...
+
+
+class AccumulationState(NamedTuple):
+  """State of :func:`accumulate`.
+
+  The names ``mini_step``, ``gradient_step``, ``acc_grads`` and
+  ``inner_opt_state`` read as in ``optax.MultiStepsState``.
+  """
+
+  accumulator: _core.Accumulator  # the current window; see _core.Accumulator
+  optimizer_step: jax.Array  # shape=(), dtype=int32: updates emitted so far
+  inner_opt_state: Any  # the inner optimizer's state, advanced only on updates
+  last_updated: jax.Array  # shape=(), dtype=bool: did the last call update
+  num_empty_windows: jax.Array  # shape=(), dtype=int32: windows of zero weight
+  skip_state: Any = ()  # what MultiSteps' should_skip_update_fn reported
+
+  @property
+  def mini_step(self) -> jax.Array:
+    """Calls accumulated in the current window; shape=(), dtype=int32."""
+    return self.accumulator.count
+
+  @property
+  def gradient_step(self) -> jax.Array:
+    """Alias of ``optimizer_step``, the name ``optax.MultiSteps`` uses."""
+    return self.optimizer_step
+
+  @property
+  def acc_grads(self) -> Any:
+    """The window's weighted gradient sum, in the accumulator dtype."""
+    return self.accumulator.total
+
+  @property
+  def num_skipped(self) -> jax.Array:
+    """Calls skipped because their gradient was not finite; int32 scalar."""
+    return self.accumulator.num_skipped
+
+
+def _check_every_k(every_k: Any, name: str) -> EveryKSchedule:
+  if callable(every_k):
+    return every_k
+  if (
+      isinstance(every_k, bool)
+      or not isinstance(every_k, numbers.Integral)
+      or every_k < 1
+  ):
+    raise ValueError(
+        f"{name}={every_k!r} must be an int >= 1 (the number of calls per"
+        " update) or a callable from the optimizer step to that number; use"
+        " 1 for no accumulation."
+    )
+  k = int(every_k)
+  return lambda optimizer_step: k
+
+
+def _check_tree_matches(grads: Any, like: Any) -> None:
+  structure, expected = jax.tree.structure(grads), jax.tree.structure(like)
+  if structure != expected:
+    raise ValueError(
+        f"The gradients' tree structure {structure} differs from the"
+        f" parameters' given to init, {expected}. Pass gradients taken with"
+        " respect to the same parameters (jax.grad of the params pytree)."
+    )
+  for (path, g), t in zip(jax.tree.leaves_with_path(grads), jax.tree.leaves(like)):
+    if jnp.shape(g) != jnp.shape(t):
+      raise ValueError(
+          f"The gradient at {jax.tree_util.keystr(path)} has shape"
+          f" {jnp.shape(g)} but the parameter has shape {jnp.shape(t)}. Pass"
+          " gradients with the parameters' shapes."
+      )
+
+
+def _check_weight(weight: Any) -> None:
+  if weight is not None and jnp.ndim(weight) != 0:
+    raise ValueError(
+        f"weight must be a scalar (e.g. this microbatch's number of valid"
+        f" tokens), got an array of shape {jnp.shape(weight)}. Reduce it, e.g."
+        " weight=mask.sum()."
+    )
+
+
+def _cast_like(new: Any, old: Any) -> Any:
+  # Some optimizers return state leaves with wider or weak dtypes than init
+  # made; both branches of the conditional must agree.
+  return jax.tree.map(
+      lambda n, o: jax.lax.convert_element_type(n, jnp.result_type(o)), new, old
+  )
+
+
+def _no_skip(updates: Any, gradient_step: jax.Array, params: Any):
+  del updates, gradient_step, params
+  return jnp.array(False), ()
+
+
+def _accumulate(
+    inner: optax.GradientTransformation,
+    every_k: int | EveryKSchedule,
+    *,
+    reduction: str = "mean",
+    accumulator_dtype: Any = jnp.float32,
+    skip_nonfinite: bool = True,
+    should_skip_update_fn: ShouldSkipUpdateFunction | None = None,
+    every_k_name: str = "every_k",
+) -> optax.GradientTransformationExtraArgs:
+  schedule = _check_every_k(every_k, every_k_name)
+  if reduction not in _core.REDUCTIONS:
+    raise ValueError(
+        f"reduction={reduction!r} is not one of {_core.REDUCTIONS}: 'mean'"
+        " divides the accumulated gradient by the total weight, 'sum' does not."
+    )
+  accumulator_dtype = _core.canonicalize_accumulator_dtype(accumulator_dtype)
+  inner = optax.with_extra_args_support(inner)
+  skip_fn = should_skip_update_fn or _no_skip
+
+  def init_fn(params):
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    _, skip_state = skip_fn(zeros, jnp.zeros((), jnp.int32), params)
+    return AccumulationState(
+        accumulator=_core.init(params, accumulator_dtype),
+        optimizer_step=jnp.zeros((), jnp.int32),
+        inner_opt_state=inner.init(params),
+        last_updated=jnp.array(False),
+        num_empty_windows=jnp.zeros((), jnp.int32),
+        skip_state=skip_state,
+    )
+
+  def update_fn(updates, state, params=None, *, weight=None, flush=False, **extra_args):
+    _check_tree_matches(updates, state.accumulator.total)
+    _check_weight(weight)
+    should_skip, skip_state = skip_fn(updates, state.optimizer_step, params)
+    accumulator, _ = _core.add(
+        state.accumulator,
+        updates,
+        weight,
+        skip_nonfinite=skip_nonfinite,
+        accept=~jnp.asarray(should_skip, bool),
+    )
+    every = jnp.asarray(schedule(state.optimizer_step), jnp.int32)
+    window_done = (accumulator.count >= every) | jnp.asarray(flush, bool)
+    apply = window_done & (accumulator.weight > 0)
+
+    def inner_update(inner_state):
+      grads = _core.result(accumulator, updates, reduction)
+      return inner.update(grads, inner_state, params, **extra_args)
+
+    update_shapes, _ = jax.eval_shape(inner_update, state.inner_opt_state)
+
+    def emit(inner_state):
+      new_updates, new_inner_state = inner_update(inner_state)
+      return new_updates, _cast_like(new_inner_state, inner_state)
+
+    def hold(inner_state):
+      zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), update_shapes)
+      return zeros, inner_state
+
+    # A conditional, not a select: the inner update is not computed at all on
+    # the calls that only accumulate.
+    new_updates, inner_state = jax.lax.cond(apply, emit, hold, state.inner_opt_state)
+    return new_updates, AccumulationState(
+        accumulator=_core.reset(accumulator, where=window_done),
+        optimizer_step=state.optimizer_step + apply.astype(jnp.int32),
+        inner_opt_state=inner_state,
+        last_updated=apply,
+        num_empty_windows=state.num_empty_windows
+        + (window_done & ~apply & (accumulator.count > 0)).astype(jnp.int32),
+        skip_state=skip_state,
+    )
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def accumulate(
+    inner: optax.GradientTransformation,
+    every_k: int | EveryKSchedule,
+    *,
+    reduction: str = "mean",
+    accumulator_dtype: Any = jnp.float32,
+    skip_nonfinite: bool = True,
+) -> optax.GradientTransformationExtraArgs:
+  """Accumulates gradients over ``every_k`` calls, then runs ``inner`` once.
+
+  Each call adds its gradient to a running weighted sum. The ``every_k``-th call
+  hands the combined gradient to ``inner`` and returns its update; the other
+  calls return zeros (in the dtypes ``inner`` would return) and neither compute
+  nor advance ``inner``, so schedules inside it count optimizer steps::
+
+    for g_i, w_i in calls:                 # w_i = weight (default 1)
+      if g_i is not finite: skip, count    # never added, never counted
+      total += w_i * g_i; weight += w_i    # in accumulator_dtype
+      if calls in window == k or flush:
+        update = inner(total / weight)     # cast to g's dtype; 'mean'
+        empty the window
+      else:
+        update = 0
+
+  With ``weight`` the number of valid tokens of each microbatch and ``g_i`` the
+  gradient of its mean loss, the update is the exact large-batch token mean.
+
+  Args:
+    inner: the optimizer to run on the accumulated gradient, any Optax
+      ``GradientTransformation`` or chain.
+    every_k: calls per update, an int >= 1, or a schedule: a callable from the
+      optimizer step (an int32 scalar, updates so far) to the number of calls,
+      e.g. :func:`accum_jax.every_k_schedule`; it may change without a
+      recompile.
+    reduction: ``"mean"`` (default) divides the accumulated gradient by the
+      total weight; ``"sum"`` passes the weighted sum.
+    accumulator_dtype: dtype of the running sum; float32 by default, so that
+      bfloat16 gradients are summed without loss. None keeps the parameters'
+      dtype.
+    skip_nonfinite: skip (and count in ``state.num_skipped``) a call whose
+      gradient holds NaN or Inf; its update is zeros and nothing accumulated
+      is lost.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs``. Its ``update(grads, state,
+    params=None, *, weight=None, flush=False, **extra_args)`` takes a scalar
+    ``weight`` for this call's gradient, and ``flush`` (a Python or traced bool)
+    to update now with what the window holds, normalised by what it holds: the
+    last, partial window of an epoch. Other keyword arguments reach ``inner``.
+
+  Raises:
+    ValueError: for ``every_k`` < 1, an unknown ``reduction``, a non-float
+      ``accumulator_dtype``; at trace time, for gradients whose tree or shapes
+      differ from the parameters' or a non-scalar ``weight``.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax, accum_jax
+    >>> opt = accum_jax.accumulate(optax.sgd(0.1), every_k=2)
+    >>> params = {"w": jnp.ones(3)}
+    >>> state = opt.init(params)
+    >>> for g in (1.0, 3.0):
+    ...   updates, state = opt.update({"w": jnp.full(3, g)}, state, params)
+    ...   print(updates["w"], bool(accum_jax.has_updated(state)))
+    [0. 0. 0.] False
+    [-0.2 -0.2 -0.2] True
+  """
+  return _accumulate(
+      inner,
+      every_k,
+      reduction=reduction,
+      accumulator_dtype=accumulator_dtype,
+      skip_nonfinite=skip_nonfinite,
+  )
+
+
+def every_k_schedule(
+    boundaries: Mapping[int, int],
+) -> EveryKSchedule:
+  """A piecewise-constant window length: ``{optimizer_step: k}``.
+
+  From each optimizer step named (updates so far) on, ``k`` calls make an
+  update, like PyTorch Lightning's ``GradientAccumulationScheduler``; before
+  the first one, 1. Use it to warm the batch size up without recompiling.
+
+  Args:
+    boundaries: a mapping from optimizer steps (ints >= 0) to window lengths
+      (ints >= 1).
+
+  Returns:
+    A callable from the optimizer step to k, for ``accumulate(every_k=...)``.
+
+  Examples:
+    >>> import jax.numpy as jnp, accum_jax
+    >>> schedule = accum_jax.every_k_schedule({0: 1, 10: 4, 100: 8})
+    >>> [int(schedule(jnp.int32(s))) for s in (0, 9, 10, 99, 100, 5000)]
+    [1, 1, 4, 4, 8, 8]
+  """
+  if not boundaries:
+    raise ValueError(
+        "boundaries is empty: pass a mapping such as {0: 1, 1000: 4}, from an"
+        " optimizer step to the number of calls per update from then on."
+    )
+  for step, k in boundaries.items():
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
+      raise ValueError(
+          f"boundaries has the key {step!r}: keys are optimizer steps, ints >= 0."
+      )
+    _check_every_k(k, f"boundaries[{step}]")
+  steps = sorted(boundaries)
+  starts = jnp.array(steps, jnp.int32)
+  ks = jnp.array([1] + [int(boundaries[s]) for s in steps], jnp.int32)
+
+  def schedule(optimizer_step: jax.Array) -> jax.Array:
+    return ks[jnp.searchsorted(starts, optimizer_step, side="right")]
+
+  return schedule
+
+
+def _find_state(state: Any, caller: str) -> AccumulationState:
+  is_state = lambda x: isinstance(x, AccumulationState)
+  found = [x for x in jax.tree.leaves(state, is_leaf=is_state) if is_state(x)]
+  if not found:
+    raise ValueError(
+        f"{caller} found no accum_jax.accumulate state in {type(state).__name__}."
+        " Pass the optimizer state that accumulate(...).init returned, or one"
+        " that holds it (an optax.chain state, TrainState.opt_state)."
+    )
+  return found[0]
+
+
+def has_updated(state: Any) -> jax.Array:
+  """Whether the last ``update`` applied the inner optimizer (bool scalar).
+
+  Args:
+    state: the state of :func:`accumulate` or :class:`accum_jax.MultiSteps`,
+      or any pytree holding it (an ``optax.chain`` state, a Flax
+      ``TrainState.opt_state``); the first one found is read.
+  """
+  return _find_state(state, "has_updated").last_updated
+
+
+def optimizer_step(state: Any) -> jax.Array:
+  """The number of updates the inner optimizer has applied (int32 scalar).
+
+  Unlike Flax's ``TrainState.step``, which counts calls, this counts real
+  optimizer updates. ``state`` is read as by :func:`has_updated`.
+  """
+  return _find_state(state, "optimizer_step").optimizer_step
