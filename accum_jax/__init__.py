@@ -3,6 +3,7 @@
 from importlib import metadata as _metadata
 
 from accum_jax._core import Accumulator
+from accum_jax._microbatch import MicrobatchInfo, grad, value_and_grad
 from accum_jax._multisteps import MultiSteps
 from accum_jax._transform import (
     AccumulationState,
@@ -23,10 +24,13 @@ __all__ = (
     "Accumulator",
     "AccumulationState",
     "EveryKSchedule",
+    "MicrobatchInfo",
     "MultiSteps",
     "ShouldSkipUpdateFunction",
     "accumulate",
     "every_k_schedule",
+    "grad",
     "has_updated",
     "optimizer_step",
+    "value_and_grad",
 )

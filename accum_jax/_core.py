@@ -7,7 +7,7 @@ and use the three functions below. The algorithm, for microbatch gradients
 
   total, weight = 0, 0                     # total in accumulator_dtype
   for g, w in microbatches:
-    if w > 0 and not all_finite(g):        # skipped, counted, never added
+    if w < 0 or w > 0 and not all_finite(g):  # skipped, counted, never added
       num_skipped += 1
       continue
     count += 1
@@ -110,7 +110,8 @@ def add(
   Args:
     acc: the accumulator.
     tree: a pytree with the structure of ``acc.total``.
-    weight: a non-negative scalar; None counts as 1.
+    weight: a non-negative scalar; None counts as 1. A negative or non-finite
+      weight is skipped and counted like a non-finite ``tree``.
     skip_nonfinite: refuse (and count) a ``tree`` holding NaN or Inf. When
       False, it is added as it is.
     check: the part of ``tree`` whose finiteness decides (default: all of it).
@@ -122,7 +123,8 @@ def add(
   """
   w = jnp.ones((), jnp.float32) if weight is None else jnp.asarray(weight, jnp.float32)
   has_weight = w > 0
-  ok = jnp.asarray(accept, bool)
+  # A negative or non-finite weight is bad data, refused like a NaN gradient.
+  ok = jnp.asarray(accept, bool) & jnp.isfinite(w) & (w >= 0)
   if skip_nonfinite:
     ok = ok & (all_finite(tree if check is None else check) | ~has_weight)
   keep = has_weight & ok

@@ -1,0 +1,358 @@
+"""Accumulation inside one step: ``value_and_grad`` over microbatches."""
+
+from __future__ import annotations
+
+import functools
+import numbers
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from accum_jax import _core, _sharding
+
+AuxReduction = Literal["mean", "sum", "stack"]
+_AUX_REDUCTIONS = ("mean", "sum", "stack")
+
+
+class MicrobatchInfo(NamedTuple):
+  """What happened to the microbatches of one call (``return_info=True``).
+
+  Attributes:
+    num_skipped: microbatches skipped because their loss or gradient was not
+      finite (or their weight negative); shape=(), dtype=int32.
+    total_weight: the sum of the kept microbatches' weights (their number when
+      there is no ``weight_fn``); shape=(), dtype=float32.
+  """
+
+  num_skipped: jax.Array
+  total_weight: jax.Array
+
+
+def _as_tuple(argnums: int | Sequence[int] | None, name: str) -> tuple[int, ...]:
+  if argnums is None:
+    return ()
+  nums = (argnums,) if isinstance(argnums, numbers.Integral) else tuple(argnums)
+  for n in nums:
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
+      raise ValueError(f"{name}={argnums!r} must be a non-negative int or a tuple of them.")
+  return tuple(int(n) for n in nums)
+
+
+def _check_num_microbatches(num_microbatches: Any) -> int:
+  if (
+      isinstance(num_microbatches, bool)
+      or not isinstance(num_microbatches, numbers.Integral)
+      or num_microbatches < 1
+  ):
+    raise ValueError(
+        f"num_microbatches={num_microbatches!r} must be an int >= 1 that divides the"
+        " batch size; use 1 for the whole batch at once."
+    )
+  return int(num_microbatches)
+
+
+def _batch_size(batch_args: dict[int, Any]) -> int:
+  sizes = {}
+  for i, arg in batch_args.items():
+    for path, leaf in jax.tree.leaves_with_path(arg):
+      if jnp.ndim(leaf) == 0:
+        raise ValueError(
+            f"Argument {i}{jax.tree_util.keystr(path)} is a scalar, but batch_argnums"
+            " names it: every leaf of a batch argument needs a leading batch axis. Pass"
+            " it as another argument, or give it a batch axis."
+        )
+      sizes[f"argument {i}{jax.tree_util.keystr(path)}"] = jnp.shape(leaf)[0]
+  if not sizes:
+    raise ValueError("batch_argnums names arguments with no arrays: nothing to split.")
+  if len(set(sizes.values())) > 1:
+    listed = ", ".join(f"{k}: {v}" for k, v in sizes.items())
+    raise ValueError(
+        f"The batch arguments have different leading (batch) sizes ({listed}). Every"
+        " leaf of a batch argument must have the same batch size along axis 0."
+    )
+  return next(iter(sizes.values()))
+
+
+def _check_divisible(batch_size: int, num_microbatches: int, num_shards: int = 1) -> None:
+  parts = num_microbatches * num_shards
+  if batch_size % parts == 0:
+    return
+  divisors = [d for d in range(1, batch_size + 1) if batch_size % d == 0 and d % num_shards == 0]
+  where = "" if num_shards == 1 else f" on each of {num_shards} devices"
+  choices = [d // num_shards for d in divisors]
+  raise ValueError(
+      f"A batch of {batch_size} does not split into num_microbatches={num_microbatches}"
+      f"{where}. Pad the batch to a multiple of {parts} with rows that count for"
+      " nothing (give them zero weight through a mask and weight_fn), or choose"
+      f" num_microbatches among {choices}."
+  )
+
+
+def _split(x: jax.Array, num_microbatches: int) -> jax.Array:
+  return x.reshape(num_microbatches, x.shape[0] // num_microbatches, *x.shape[1:])
+
+
+def _check_key(key: Any, argnum: int) -> None:
+  is_typed = hasattr(key, "dtype") and jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+  is_raw = hasattr(key, "dtype") and key.dtype == jnp.uint32 and jnp.shape(key) == (2,)
+  if not (is_typed and jnp.ndim(key) == 0) and not is_raw:
+    raise ValueError(
+        f"rng_argnums names argument {argnum}, which is not a PRNG key (got"
+        f" {getattr(key, 'dtype', type(key).__name__)} of shape {jnp.shape(key)})."
+        " Pass a single key such as jax.random.key(0), or drop it from rng_argnums."
+    )
+
+
+def value_and_grad(
+    fun: Callable[..., Any],
+    num_microbatches: int,
+    *,
+    argnums: int | Sequence[int] = 0,
+    batch_argnums: int | Sequence[int] = 1,
+    has_aux: bool = False,
+    weight_fn: Callable[..., jax.typing.ArrayLike] | None = None,
+    rng_argnums: int | Sequence[int] | None = None,
+    state_argnums: int | None = None,
+    aux_reduction: AuxReduction = "mean",
+    accumulator_dtype: Any = jnp.float32,
+    skip_nonfinite: bool = True,
+    mesh: jax.sharding.Mesh | None = None,
+    data_axis: str | None = None,
+    return_info: bool = False,
+) -> Callable[..., Any]:
+  """``jax.value_and_grad`` over a batch split into microbatches.
+
+  The batch arguments are split along axis 0 into ``num_microbatches`` equal
+  parts, and a ``jax.lax.scan`` takes the value and gradient of ``fun`` on each
+  in turn, so only one microbatch's activations are alive at a time::
+
+    for i, mb in enumerate(split(batch, num_microbatches)):
+      w_i = weight_fn(*mb) if weight_fn else 1
+      (L_i, aux_i), g_i = jax.value_and_grad(fun, argnums, has_aux)(..., mb, ...)
+      accumulate w_i * L_i, w_i * g_i, aux_i     # float32; non-finite skipped
+    return (sum w_i L_i / sum w_i, reduce(aux)), sum w_i g_i / sum w_i
+
+  With ``fun`` returning its microbatch's mean loss and ``weight_fn`` the
+  microbatch's number of valid tokens, the result is the exact full-batch
+  token mean. Without ``weight_fn``, every microbatch counts 1: the mean of
+  equal-sized microbatch means, which is the full-batch mean.
+
+  Args:
+    fun: the function to differentiate, as for ``jax.value_and_grad``.
+    num_microbatches: the number of microbatches, an int >= 1 dividing the batch.
+    argnums: which positional argument(s) to differentiate.
+    batch_argnums: which positional argument(s) are batches: pytrees whose
+      leaves all have the same leading batch size.
+    has_aux: ``fun`` returns ``(value, aux)``.
+    weight_fn: called with the batch arguments of one microbatch, returns its
+      scalar weight (e.g. ``lambda batch: batch["mask"].sum()``). A zero weight
+      makes a microbatch count for nothing, even when its loss is NaN.
+    rng_argnums: argument(s) holding a PRNG key; microbatch ``i`` receives
+      ``jax.random.fold_in(key, i)`` (and, under ``mesh``, the device index
+      folded in as well), so dropout differs between microbatches.
+    state_argnums: an argument threaded through the microbatches in order, e.g.
+      Flax BatchNorm ``batch_stats``. ``fun`` must then have ``has_aux=True``
+      and return ``(value, (new_state, aux))``; the result's aux is
+      ``(final_state, reduced_aux)``. A skipped or zero-weight microbatch leaves
+      the state as it was.
+    aux_reduction: ``"mean"`` (default) averages aux leaves like the loss,
+      weighted when ``weight_fn`` is given; ``"sum"`` sums them; ``"stack"``
+      returns them stacked with a leading ``num_microbatches`` axis.
+    accumulator_dtype: the dtype of the running sums (float32 by default; None
+      for the gradients' own dtype). Results are cast back.
+    skip_nonfinite: skip, and count, a microbatch whose loss or gradient holds
+      NaN or Inf; the normalisation uses only what was kept.
+    mesh: a ``jax.sharding.Mesh`` to run data-parallel on: the batch arguments
+      are sharded over ``data_axis``, the other arguments replicated, each
+      device accumulates its local gradient, and the devices' sums are reduced
+      once per call, after the loop. Defaults to the mesh set with
+      ``jax.set_mesh`` when ``data_axis`` is given.
+    data_axis: the mesh axis the batch is sharded over.
+    return_info: also return a :class:`MicrobatchInfo`.
+
+  Returns:
+    A function with ``fun``'s signature returning what ``jax.value_and_grad``
+    would: ``(value, aux), grads`` or ``value, grads``; with ``return_info``, a
+    :class:`MicrobatchInfo` third.
+
+  Raises:
+    ValueError: for ``num_microbatches`` < 1, overlapping or out-of-range
+      argnums, an unknown ``aux_reduction``; at trace time, for a batch that
+      does not split, batch arguments of different sizes, a ``weight_fn`` that
+      does not return a scalar, or an ``rng_argnums`` argument that is no key.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, accum_jax
+    >>> def loss(w, batch):
+    ...   return jnp.mean((batch["x"] @ w - batch["y"]) ** 2)
+    >>> w = jnp.ones(3)
+    >>> batch = {"x": jnp.arange(24.0).reshape(8, 3) / 24, "y": jnp.ones(8)}
+    >>> value, grads = jax.jit(accum_jax.value_and_grad(loss, num_microbatches=4))(w, batch)
+    >>> full_value, full_grads = jax.value_and_grad(loss)(w, batch)
+    >>> bool(jnp.allclose(value, full_value)), bool(jnp.allclose(grads, full_grads))
+    (True, True)
+  """
+  num_microbatches = _check_num_microbatches(num_microbatches)
+  diff_nums = _as_tuple(argnums, "argnums")
+  batch_nums = _as_tuple(batch_argnums, "batch_argnums")
+  rng_nums = _as_tuple(rng_argnums, "rng_argnums")
+  state_nums = _as_tuple(state_argnums, "state_argnums")
+  if not diff_nums:
+    raise ValueError("argnums=() differentiates nothing: name at least one argument.")
+  if not batch_nums:
+    raise ValueError("batch_argnums=() names no batch: name the argument(s) to split.")
+  if len(state_nums) > 1:
+    raise ValueError(
+        f"state_argnums={state_argnums!r}: one argument can be threaded; gather the"
+        " states into one pytree."
+    )
+  roles = {"argnums": diff_nums, "batch_argnums": batch_nums, "rng_argnums": rng_nums,
+           "state_argnums": state_nums}
+  names = list(roles)
+  for a_i, a in enumerate(names):
+    for b in names[a_i + 1:]:
+      if both := set(roles[a]) & set(roles[b]):
+        raise ValueError(
+            f"{a}={roles[a]} and {b}={roles[b]} both name argument(s) {sorted(both)}:"
+            " each argument has one role."
+        )
+  if aux_reduction not in _AUX_REDUCTIONS:
+    raise ValueError(
+        f"aux_reduction={aux_reduction!r} is not one of {_AUX_REDUCTIONS}."
+    )
+  if state_nums and not has_aux:
+    raise ValueError(
+        "state_argnums needs has_aux=True: fun must return (value, (new_state, aux))."
+    )
+  accumulator_dtype = _core.canonicalize_accumulator_dtype(accumulator_dtype)
+  grad_fun = jax.value_and_grad(
+      fun if has_aux else lambda *a: (fun(*a), ()),
+      argnums=diff_nums if not isinstance(argnums, numbers.Integral) else diff_nums[0],
+      has_aux=True,
+  )
+  data_parallel = mesh is not None or data_axis is not None
+
+  def local_sums(args: tuple[Any, ...], shard_index: jax.Array | None):
+    """Scans this device's microbatches; returns the un-normalised sums."""
+    batch = {i: jax.tree.map(functools.partial(_split, num_microbatches=num_microbatches),
+                             args[i]) for i in batch_nums}
+
+    def call(i, mb, state):
+      call_args = list(args)
+      for n in batch_nums:
+        call_args[n] = mb[n]
+      for n in rng_nums:
+        key = jax.random.fold_in(args[n], i)
+        call_args[n] = key if shard_index is None else jax.random.fold_in(key, shard_index)
+      if state_nums:
+        call_args[state_nums[0]] = state
+      (value, aux), grads = grad_fun(*call_args)
+      if jnp.ndim(value) != 0:
+        raise ValueError(f"fun must return a scalar loss, got shape {jnp.shape(value)}.")
+      new_state, aux = aux if state_nums else (None, aux)
+      if weight_fn is None:
+        weight = None
+      else:
+        weight = weight_fn(*(mb[n] for n in batch_nums))
+        if jnp.ndim(weight) != 0:
+          raise ValueError(
+              f"weight_fn must return a scalar weight per microbatch, got shape"
+              f" {jnp.shape(weight)}. Reduce it, e.g. lambda batch: batch['mask'].sum()."
+          )
+      return (value, grads), aux, new_state, weight
+
+    i0 = jnp.zeros((), jnp.int32)
+    mb0 = jax.tree.map(lambda x: x[0], batch)
+    state0 = args[state_nums[0]] if state_nums else None
+    shapes = jax.eval_shape(call, i0, mb0, state0)
+    (out_shape, aux_shape, _, _) = shapes
+    acc0 = _core.init(out_shape, accumulator_dtype)
+    aux_acc0 = _core.init(aux_shape, accumulator_dtype)
+
+    @functools.partial(jax.named_call, name="accum_jax_microbatch")
+    def body(carry, xs):
+      acc, aux_acc, state = carry
+      i, mb = xs
+      out, aux, new_state, weight = call(i, mb, state)
+      acc, kept = _core.add(acc, out, weight, skip_nonfinite=skip_nonfinite)
+      if aux_reduction != "stack":
+        aux_weight = weight if aux_reduction == "mean" else None
+        aux_acc, _ = _core.add(aux_acc, aux, aux_weight, skip_nonfinite=False, accept=kept)
+      if state_nums:
+        state = jax.tree.map(lambda new, old: jnp.where(kept, new, old), new_state, state)
+      return (acc, aux_acc, state), (aux if aux_reduction == "stack" else None)
+
+    xs = (jnp.arange(num_microbatches, dtype=jnp.int32), batch)
+    (acc, aux_acc, state), stacked = jax.lax.scan(body, (acc0, aux_acc0, state0), xs)
+    return acc, aux_acc, state, stacked, (out_shape, aux_shape)
+
+  def finish(acc, aux_acc, state, stacked, shapes):
+    out_shape, aux_shape = shapes
+    value, grads = _core.result(acc, out_shape, "mean")
+    if aux_reduction == "stack":
+      aux = stacked
+    else:
+      aux = _core.result(aux_acc, aux_shape, aux_reduction)
+    if state_nums:
+      aux = (state, aux)
+    out = (value, aux) if has_aux else value
+    if return_info:
+      return out, grads, MicrobatchInfo(acc.num_skipped, acc.weight)
+    return out, grads
+
+  def wrapped(*args):
+    for role, nums in roles.items():
+      for n in nums:
+        if n >= len(args):
+          raise ValueError(
+              f"{role}={roles[role]} names argument {n}, but the function was called with"
+              f" {len(args)} positional argument(s). Pass it positionally, or fix {role}."
+          )
+    for n in rng_nums:
+      _check_key(args[n], n)
+    batch_size = _batch_size({n: args[n] for n in batch_nums})
+    if not data_parallel:
+      _check_divisible(batch_size, num_microbatches)
+      return finish(*local_sums(args, None))
+    return _sharding.data_parallel(
+        local_sums,
+        finish,
+        args,
+        batch_argnums=batch_nums,
+        differentiated_argnums=diff_nums,
+        state_argnums=state_nums,
+        mesh=mesh,
+        data_axis=data_axis,
+        check_divisible=lambda num_shards: _check_divisible(
+            batch_size, num_microbatches, num_shards),
+        stacked_aux=aux_reduction == "stack",
+    )
+
+  return wrapped
+
+
+def grad(fun: Callable[..., Any], num_microbatches: int, **kwargs: Any) -> Callable[..., Any]:
+  """``jax.grad`` over microbatches; the options of :func:`value_and_grad`.
+
+  Returns ``grads``, or ``(grads, aux)`` with ``has_aux=True``, as ``jax.grad``
+  does (and a :class:`MicrobatchInfo` last with ``return_info=True``).
+
+  Examples:
+    >>> import jax.numpy as jnp, accum_jax
+    >>> loss = lambda w, x: jnp.mean((x @ w) ** 2)
+    >>> g = accum_jax.grad(loss, num_microbatches=2)(jnp.ones(2), jnp.eye(2))
+    >>> g.tolist()
+    [1.0, 1.0]
+  """
+  vg = value_and_grad(fun, num_microbatches, **kwargs)
+  has_aux, return_info = kwargs.get("has_aux", False), kwargs.get("return_info", False)
+
+  def wrapped(*args):
+    out, grads, *info = vg(*args)
+    result = (grads, out[1]) if has_aux else grads
+    return (result, *info) if return_info else result
+
+  return wrapped
+
