@@ -227,9 +227,10 @@ def value_and_grad(
         "state_argnums needs has_aux=True: fun must return (value, (new_state, aux))."
     )
   accumulator_dtype = _core.canonicalize_accumulator_dtype(accumulator_dtype)
+  single_argnum = isinstance(argnums, numbers.Integral)
   grad_fun = jax.value_and_grad(
       fun if has_aux else lambda *a: (fun(*a), ()),
-      argnums=diff_nums if not isinstance(argnums, numbers.Integral) else diff_nums[0],
+      argnums=diff_nums[0] if single_argnum else diff_nums,
       has_aux=True,
   )
   data_parallel = mesh is not None or data_axis is not None
@@ -266,9 +267,11 @@ def value_and_grad(
     i0 = jnp.zeros((), jnp.int32)
     mb0 = jax.tree.map(lambda x: x[0], batch)
     state0 = args[state_nums[0]] if state_nums else None
-    shapes = jax.eval_shape(call, i0, mb0, state0)
-    (out_shape, aux_shape, _, _) = shapes
-    acc0 = _core.init(out_shape, accumulator_dtype)
+    out_shape, aux_shape, _, _ = jax.eval_shape(call, i0, mb0, state0)
+    # Zeros made from the parameters themselves keep their sharding: sharded
+    # (FSDP-style) parameters get an accumulator sharded the same way.
+    grads_like = args[diff_nums[0]] if single_argnum else tuple(args[n] for n in diff_nums)
+    acc0 = _core.init((jnp.zeros((), out_shape[0].dtype), grads_like), accumulator_dtype)
     aux_acc0 = _core.init(aux_shape, accumulator_dtype)
 
     @functools.partial(jax.named_call, name="accum_jax_microbatch")

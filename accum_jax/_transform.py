@@ -99,11 +99,19 @@ def _check_tree_matches(grads: Any, like: Any) -> None:
 
 
 def _check_weight(weight: Any) -> None:
-  if weight is not None and jnp.ndim(weight) != 0:
+  if weight is None:
+    return
+  if jnp.ndim(weight) != 0:
     raise ValueError(
         f"weight must be a scalar (e.g. this microbatch's number of valid"
         f" tokens), got an array of shape {jnp.shape(weight)}. Reduce it, e.g."
         " weight=mask.sum()."
+    )
+  if not isinstance(weight, jax.core.Tracer) and not float(weight) >= 0:
+    raise ValueError(
+        f"weight={float(weight)} must be a finite number >= 0 (e.g. a count of"
+        " valid tokens). Under jit such a weight is skipped and counted in"
+        " state.num_skipped instead."
     )
 
 
