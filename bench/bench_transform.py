@@ -1,0 +1,414 @@
+"""accum_jax.accumulate against optax.MultiSteps: time, FLOPs, state size.
+
+Both wrap the same inner optimizer (Adam, Muon) with a window of k calls. One
+call of the jitted ``update``, its state donated, is what a training step runs;
+a window is k such calls, of which the last applies the inner optimizer.
+
+``optax.MultiSteps`` computes the inner update on every call and keeps it only
+on the last (a select); ``accum_jax.accumulate`` puts the inner update in a
+``lax.cond`` so the other k - 1 calls only add to the accumulator. The gap is
+large for an optimizer with a costly update (Muon's Newton-Schulz iterations)
+and small for an elementwise one (Adam).
+
+Run from the repository root::
+
+  python bench/bench_transform.py            # full run, bench/results/transform.json
+  python bench/bench_transform.py --quick    # smoke run, a few seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from _common import (
+    compiled_flops,
+    cost_analysis,
+    environment,
+    markdown_table,
+    time_samples,
+    tree_nbytes,
+    write_json,
+)
+
+import accum_jax
+
+INNER_OPTIMIZERS: dict[str, Callable[[], optax.GradientTransformation]] = {
+    "adam": lambda: optax.adam(1e-3),
+    # Newton-Schulz on the 2-D weights, Adam on the biases (optax's default).
+    "muon": lambda: optax.contrib.muon(1e-3),
+}
+
+# Issue targets: the largest accepted ratio accum_jax window / MultiSteps window.
+TARGET_RATIO = {"adam": 1.0, "muon": 1 / 3}
+
+REFERENCE = "optax.MultiSteps"
+
+
+def _accum_jax(inner: optax.GradientTransformation, k: int) -> optax.GradientTransformation:
+  return accum_jax.accumulate(inner, every_k=k)
+
+
+def _optax_multisteps(
+    inner: optax.GradientTransformation, k: int
+) -> optax.GradientTransformation:
+  return optax.MultiSteps(inner, every_k_schedule=k).gradient_transformation()
+
+
+# name -> (factory, calls per window that run the inner update).
+IMPLEMENTATIONS: dict[str, tuple[Callable[..., optax.GradientTransformation], Callable]] = {
+    "accum_jax": (_accum_jax, lambda k: 1),
+    REFERENCE: (_optax_multisteps, lambda k: k),
+}
+
+
+def make_params(num_layers: int, dim: int, key: jax.Array) -> dict[str, Any]:
+  keys = jax.random.split(key, num_layers)
+  return {
+      f"layer{i}": {
+          "w": jax.random.normal(keys[i], (dim, dim), jnp.float32) * dim**-0.5,
+          "b": jnp.zeros((dim,), jnp.float32),
+      }
+      for i in range(num_layers)
+  }
+
+
+def make_grads(params: Any, k: int, key: jax.Array) -> list[Any]:
+  """k different gradient pytrees, one per call of a window."""
+  leaves, treedef = jax.tree.flatten(params)
+  grads = []
+  for call_key in jax.random.split(key, k):
+    leaf_keys = jax.random.split(call_key, len(leaves))
+    noise = [1e-2 * jax.random.normal(lk, x.shape, x.dtype) for lk, x in zip(leaf_keys, leaves)]
+    grads.append(jax.block_until_ready(jax.tree.unflatten(treedef, noise)))
+  return grads
+
+
+def _is_nonzero(tree: Any) -> bool:
+  return any(bool(jnp.any(x != 0)) for x in jax.tree.leaves(tree))
+
+
+def jit_update(
+    opt: optax.GradientTransformation, donation: str
+) -> tuple[Callable[..., tuple[Any, Any]], Any]:
+  """``step(state, grads, params) -> (state, updates)``, and what to lower.
+
+  JAX pairs each donated input buffer with the first not yet paired output of
+  the same shape and dtype, in output order. Returning the state first
+  ("aligned") pairs every state leaf with its own buffer, so state that a call
+  passes through unchanged (the inner optimizer's, on calls that only
+  accumulate) needs no copy. ``jax.jit(opt.update, donate_argnums=1)`` returns
+  the updates first ("misaligned"): the updates take the accumulator's
+  buffers, the accumulator the inner state's, and so on, and XLA copies the
+  pass-through state on every call. "none" donates nothing: every output is a
+  new buffer.
+  """
+  if donation == "misaligned":
+    jitted = jax.jit(opt.update, donate_argnums=1)
+
+    def step(state, grads, params):
+      updates, state = jitted(grads, state, params)
+      return state, updates
+
+    return step, lambda state, grads, params: jitted.lower(grads, state, params)
+
+  def update(state, grads, params):
+    updates, state = opt.update(grads, state, params)
+    return state, updates
+
+  jitted = jax.jit(update, donate_argnums=0 if donation == "aligned" else ())
+  return jitted, jitted.lower
+
+
+class Runner:
+  """One optimizer, its jitted update and the state threaded through calls."""
+
+  def __init__(
+      self, opt: optax.GradientTransformation, params: Any, grads: list[Any], donation: str
+  ):
+    self.params = params
+    self.grads = grads
+    self.state = opt.init(params)
+    self.state_bytes = tree_nbytes(self.state)
+    self.step, lower = jit_update(opt, donation)
+    compiled = lower(self.state, grads[0], params).compile()
+    costs = cost_analysis(compiled)
+    self.xla_flops = costs.get("flops", float("nan"))
+    self.xla_bytes = costs.get("bytes accessed", float("nan"))
+    self.copy_ops = compiled.as_text().count(" copy(")
+
+  def call(self, i: int) -> Any:
+    self.state, updates = self.step(self.state, self.grads[i], self.params)
+    return updates, self.state
+
+  def window(self) -> Any:
+    for i in range(len(self.grads)):
+      out = self.call(i)
+    return out
+
+  def emitting_calls(self) -> tuple[list[int], Any]:
+    """Indices (within one window) of calls that return a non-zero update."""
+    emitted, emitted_update = [], None
+    for i in range(len(self.grads)):
+      updates, _ = self.call(i)
+      if _is_nonzero(updates):
+        emitted.append(i)
+        emitted_update = updates
+    return emitted, emitted_update
+
+
+def bench_inner(
+    inner_name: str,
+    params: Any,
+    grads: list[Any],
+    *,
+    windows: int,
+    min_seconds: float,
+    warmup: int,
+    donation: str,
+) -> dict[str, Any]:
+  k = len(grads)
+  make_inner = INNER_OPTIMIZERS[inner_name]
+  runners = {
+      name: Runner(make(make_inner(), k), params, grads, donation)
+      for name, (make, _) in IMPLEMENTATIONS.items()
+  }
+
+  # Untimed first window from the initial state: compiles, checks that exactly
+  # the last call of a window emits, and that both emit the same update.
+  emitted, first_update = {}, {}
+  for name, runner in runners.items():
+    emitted[name], first_update[name] = runner.emitting_calls()
+    if emitted[name] != [k - 1]:
+      raise RuntimeError(
+          f"{name} with {inner_name} emitted on calls {emitted[name]} of a window of"
+          f" {k}; expected only call {k - 1}. The windows are misaligned."
+      )
+  max_abs_diff = max(
+      float(jnp.max(jnp.abs(a - b)))
+      for a, b in zip(
+          jax.tree.leaves(first_update["accum_jax"]), jax.tree.leaves(first_update[REFERENCE])
+      )
+  )
+
+  for runner in runners.values():
+    for _ in range(warmup):
+      jax.block_until_ready(runner.window())
+
+  # Windows of the implementations alternate, so that drift in the machine's
+  # speed (other processes, clocks) falls on both alike.
+  # At least `windows` rounds, more while under `min_seconds`: cheap inner
+  # optimizers get enough samples for their median to settle.
+  window_s = {name: [] for name in runners}
+  rounds, start = 0, time.perf_counter()
+  while rounds < windows or time.perf_counter() - start < min_seconds:
+    for name, runner in runners.items():
+      window_s[name] += time_samples(runner.window, repeats=1, warmup=0)
+    rounds += 1
+
+  # Each call timed on its own (blocking after each one, which a training loop
+  # would not do): shows where a window's time goes.
+  call_s = {name: [[] for _ in range(k)] for name in runners}
+  for _ in range(rounds):
+    for name, runner in runners.items():
+      for i in range(k):
+        call_s[name][i] += time_samples(runner.call, i, repeats=1, warmup=0)
+
+  inner = make_inner()
+  inner_step = jax.jit(inner.update)
+  inner_state = inner.init(params)
+  inner_flops = compiled_flops(inner_step, grads[0], inner_state, params)
+  inner_s = time_samples(inner_step, grads[0], inner_state, params, repeats=rounds, warmup=1)
+
+  results = {}
+  for name, runner in runners.items():
+    inner_calls = IMPLEMENTATIONS[name][1](k)
+    accumulate_calls = [t for i in range(k - 1) for t in call_s[name][i]]
+    results[name] = {
+        "window_ms": 1e3 * statistics.median(window_s[name]),
+        "window_ms_p25_p75": [1e3 * q for q in _quartiles(window_s[name])],
+        "window_ms_samples": [1e3 * t for t in window_s[name]],
+        "accumulate_call_ms": 1e3 * statistics.median(accumulate_calls),
+        "emitting_call_ms": 1e3 * statistics.median(call_s[name][k - 1]),
+        "xla_flops_per_call": runner.xla_flops,
+        "inner_calls_per_window": inner_calls,
+        # XLA counts a conditional's costliest branch, so the figure above is
+        # the emitting call's. Calls that skip the inner update save its cost:
+        "executed_flops_per_call_est": runner.xla_flops
+        - (k - inner_calls) / k * inner_flops,
+        "xla_bytes_accessed_per_call": runner.xla_bytes,
+        "hlo_copy_ops": runner.copy_ops,
+        "state_bytes": runner.state_bytes,
+        "emitting_call_index": emitted[name],
+    }
+  ratio = results["accum_jax"]["window_ms"] / results[REFERENCE]["window_ms"]
+  return {
+      "inner": inner_name,
+      "rounds": rounds,
+      "inner_update_ms": 1e3 * statistics.median(inner_s),
+      "inner_update_flops": inner_flops,
+      "first_update_max_abs_diff": max_abs_diff,
+      "window_ratio": ratio,
+      "target_ratio": TARGET_RATIO[inner_name],
+      "target_met": ratio <= TARGET_RATIO[inner_name],
+      "implementations": results,
+  }
+
+
+def _quartiles(samples: list[float]) -> tuple[float, float]:
+  if len(samples) < 2:
+    return samples[0], samples[0]
+  q = statistics.quantiles(samples, n=4)
+  return q[0], q[2]
+
+
+def _print_report(config: dict[str, Any], per_inner: list[dict[str, Any]]) -> None:
+  k = config["k"]
+  headers = [
+      "inner",
+      "implementation",
+      f"window ms (k={k})",
+      f"vs {REFERENCE}",
+      "accumulate call ms",
+      "emitting call ms",
+      "XLA GFLOP/call",
+      "executed GFLOP/call (est.)",
+      "state MiB",
+  ]
+  rows = []
+  for entry in per_inner:
+    for name, r in entry["implementations"].items():
+      ratio = r["window_ms"] / entry["implementations"][REFERENCE]["window_ms"]
+      rows.append([
+          entry["inner"],
+          name,
+          f"{r['window_ms']:.2f}",
+          f"{ratio:.3f}",
+          f"{r['accumulate_call_ms']:.3f}",
+          f"{r['emitting_call_ms']:.3f}",
+          f"{r['xla_flops_per_call'] / 1e9:.4g}",
+          f"{r['executed_flops_per_call_est'] / 1e9:.4g}",
+          f"{r['state_bytes'] / 2**20:.2f}",
+      ])
+  rounds = ", ".join(f"{e['inner']} {e['rounds']}" for e in per_inner)
+  print(
+      f"params: {config['num_layers']} x ({config['dim']}x{config['dim']} weight + bias),"
+      f" {config['num_params']:,} floats; k={k}; donation: {config['donation']};"
+      f" timed windows: {rounds};"
+      f" {config['environment']['backend']}, {config['environment']['cpu_count']} CPUs"
+  )
+  print()
+  print(markdown_table(headers, rows))
+  print()
+  target_rows = [
+      [
+          e["inner"],
+          f"<= {e['target_ratio']:.3f}",
+          f"{e['window_ratio']:.3f}",
+          "yes" if e["target_met"] else "NO",
+          f"{e['inner_update_ms']:.3f}",
+          f"{e['inner_update_flops'] / 1e9:.4g}",
+          f"{e['first_update_max_abs_diff']:.1e}",
+      ]
+      for e in per_inner
+  ]
+  print(
+      markdown_table(
+          [
+              "inner",
+              "target window ratio",
+              "measured",
+              "met",
+              "inner update alone ms",
+              "inner GFLOP",
+              "max abs update diff",
+          ],
+          target_rows,
+      )
+  )
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--k", type=int, default=8, help="calls per window (every_k)")
+  parser.add_argument("--num-layers", type=int, default=4, help="weight matrices")
+  parser.add_argument("--dim", type=int, default=512, help="each weight is dim x dim")
+  parser.add_argument("--windows", type=int, default=7, help="least timed windows (median)")
+  parser.add_argument(
+      "--min-seconds",
+      type=float,
+      default=3.0,
+      help="keep timing windows, per inner optimizer, for at least this long",
+  )
+  parser.add_argument(
+      "--donation",
+      choices=("aligned", "misaligned", "none"),
+      default="aligned",
+      help="how the jitted update donates the state; see jit_update",
+  )
+  parser.add_argument("--warmup", type=int, default=1, help="untimed windows first")
+  parser.add_argument(
+      "--inner", nargs="+", choices=sorted(INNER_OPTIMIZERS), default=list(INNER_OPTIMIZERS)
+  )
+  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument(
+      "--quick", action="store_true", help="smoke run: 2 layers of 128, 3 windows, 0.2 s"
+  )
+  parser.add_argument(
+      "--name", default=None, help="results file bench/results/<name>.json"
+      " (default: transform, or transform_quick with --quick)"
+  )
+  args = parser.parse_args(argv)
+  if args.quick:
+    args.num_layers, args.dim, args.windows, args.min_seconds = 2, 128, 3, 0.2
+  if args.k < 2:
+    parser.error(f"--k={args.k} must be >= 2: with k=1 nothing is accumulated.")
+  name = args.name or ("transform_quick" if args.quick else "transform")
+
+  start = time.perf_counter()
+  params_key, grads_key = jax.random.split(jax.random.key(args.seed))
+  params = make_params(args.num_layers, args.dim, params_key)
+  grads = make_grads(params, args.k, grads_key)
+  config = {
+      "k": args.k,
+      "num_layers": args.num_layers,
+      "dim": args.dim,
+      "num_params": sum(x.size for x in jax.tree.leaves(params)),
+      "windows": args.windows,
+      "min_seconds": args.min_seconds,
+      "warmup": args.warmup,
+      "donation": args.donation,
+      "seed": args.seed,
+      "quick": args.quick,
+      "command": " ".join(sys.argv),
+      "environment": environment(),
+  }
+  per_inner = [
+      bench_inner(
+          inner,
+          params,
+          grads,
+          windows=args.windows,
+          min_seconds=args.min_seconds,
+          warmup=args.warmup,
+          donation=args.donation,
+      )
+      for inner in args.inner
+  ]
+  config["total_seconds"] = time.perf_counter() - start
+  config["load_average_end"] = environment()["load_average"]
+  _print_report(config, per_inner)
+  path = write_json(name, {"config": config, "results": per_inner})
+  print(f"\nwrote {path} in {config['total_seconds']:.0f} s")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
