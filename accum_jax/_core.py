@@ -75,8 +75,9 @@ def _zeros_like(x: jax.Array, dtype: Any) -> jax.Array:
   dtype = x.dtype if dtype is None else dtype
   if isinstance(x, jax.core.Tracer):
     # Under jit a constant zero has no sharding of its own and comes out
-    # replicated; a product with `x` inherits x's sharding by propagation.
-    return (x * 0).astype(dtype)
+    # replicated; an expression of `x` inherits x's sharding by propagation.
+    # (Not `x * 0`, which is NaN where x is not finite.)
+    return jnp.zeros_like(x, dtype) * jnp.isnan(x).astype(dtype)
   return jnp.zeros_like(x, dtype=dtype)
 
 
@@ -165,12 +166,11 @@ def result(acc: Accumulator, like: Any, reduction: Reduction = "mean") -> Any:
   return jax.tree.map(lambda t, x: scale(t).astype(x.dtype), acc.total, like)
 
 
-def reset(acc: Accumulator, where: jax.typing.ArrayLike = True) -> Accumulator:
-  """Empties ``acc`` where ``where`` holds; keeps dtypes, sharding, skip count."""
-  clear = lambda x: jnp.where(where, jnp.zeros((), x.dtype), x)
+def empty(acc: Accumulator) -> Accumulator:
+  """An empty accumulator with the same structure, dtypes and skip count."""
   return Accumulator(
-      total=jax.tree.map(clear, acc.total),
-      weight=clear(acc.weight),
-      count=clear(acc.count),
+      total=jax.tree.map(jnp.zeros_like, acc.total),
+      weight=jnp.zeros_like(acc.weight),
+      count=jnp.zeros_like(acc.count),
       num_skipped=acc.num_skipped,
   )

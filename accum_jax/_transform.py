@@ -181,24 +181,30 @@ def _accumulate(
 
     update_shapes, _ = jax.eval_shape(inner_update, state.inner_opt_state)
 
-    def emit(inner_state):
+    # Both branches hand the window through, so emptying it costs nothing on
+    # the calls that only accumulate.
+    def emit(inner_state, window):
       new_updates, new_inner_state = inner_update(inner_state)
-      return new_updates, _cast_like(new_inner_state, inner_state)
+      return new_updates, _cast_like(new_inner_state, inner_state), _core.empty(window)
 
-    def hold(inner_state):
+    def hold(inner_state, window):
       zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), update_shapes)
-      return zeros, inner_state
+      return zeros, inner_state, window
 
     # A conditional, not a select: the inner update is not computed at all on
     # the calls that only accumulate.
-    new_updates, inner_state = jax.lax.cond(apply, emit, hold, state.inner_opt_state)
+    new_updates, inner_state, accumulator = jax.lax.cond(
+        apply, emit, hold, state.inner_opt_state, accumulator
+    )
+    # A window that ends with zero total weight holds nothing to apply (its
+    # sum is zero too); it restarts, and is counted.
+    empty_window = window_done & ~apply & (accumulator.count > 0)
     return new_updates, AccumulationState(
-        accumulator=_core.reset(accumulator, where=window_done),
+        accumulator=accumulator._replace(count=jnp.where(window_done & ~apply, 0, accumulator.count)),
         optimizer_step=state.optimizer_step + apply.astype(jnp.int32),
         inner_opt_state=inner_state,
         last_updated=apply,
-        num_empty_windows=state.num_empty_windows
-        + (window_done & ~apply & (accumulator.count > 0)).astype(jnp.int32),
+        num_empty_windows=state.num_empty_windows + empty_window.astype(jnp.int32),
         skip_state=skip_state,
     )
 
