@@ -1,0 +1,171 @@
+"""accum_jax.MultiSteps against optax.MultiSteps, the class it replaces."""
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import (
+    make_params,
+    microbatch_grads,
+    scan_updates,
+    shapes_and_dtypes,
+    stack_trees,
+    tree_allclose,
+    tree_weighted_mean,
+    unstack_tree,
+)
+
+import accum_jax
+
+# Magnitude-sensitive (unlike adam), so a sum and a mean give different updates.
+_INNER = optax.sgd(0.1, momentum=0.9)
+
+
+def _two_then_three(gradient_step):
+  return jnp.where(gradient_step < 1, 2, 3)
+
+
+_EVERY_K = {"every 3 mini-steps": 3, "2 then 3 mini-steps": _two_then_three}
+
+
+@functools.cache
+def _pair(every_k_name, use_grad_mean, should_skip_update_fn=None):
+  """(accum_jax.MultiSteps, optax.MultiSteps) with the same arguments."""
+  args = (_INNER, _EVERY_K[every_k_name], use_grad_mean, should_skip_update_fn)
+  return accum_jax.MultiSteps(*args), optax.MultiSteps(*args)
+
+
+def _ints(x):
+  return [int(i) for i in np.asarray(x)]
+
+
+def _bools(x):
+  return [bool(b) for b in np.asarray(x)]
+
+
+@pytest.mark.parametrize("use_grad_mean", [True, False], ids=["grad mean", "grad sum"])
+@pytest.mark.parametrize("every_k_name", list(_EVERY_K))
+def test_matches_optax_multisteps_on_finite_gradients(every_k_name, use_grad_mean):
+  ours, theirs = _pair(every_k_name, use_grad_mean)
+  params = make_params()
+  grads = stack_trees(microbatch_grads(params, 8))
+  our_params, our_updates, our_states = scan_updates(ours, params, grads)
+  their_params, their_updates, their_states = scan_updates(
+      theirs.gradient_transformation(), params, grads
+  )
+  tree_allclose(our_updates, their_updates)
+  tree_allclose(our_params, their_params)
+  tree_allclose(our_states.inner_opt_state, their_states.inner_opt_state)
+  assert _ints(our_states.mini_step) == _ints(their_states.mini_step)
+  assert _ints(our_states.gradient_step) == _ints(their_states.gradient_step)
+  assert _bools(ours.has_updated(our_states)) == _bools(theirs.has_updated(their_states))
+  # optax keeps the running mean of the window, accum_jax the sum.
+  window_size = our_states.mini_step if use_grad_mean else jnp.ones_like(our_states.mini_step)
+  tree_allclose(
+      our_states.acc_grads,
+      jax.tree.map(
+          lambda acc: acc * window_size.reshape((-1,) + (1,) * (acc.ndim - 1)),
+          their_states.acc_grads,
+      ),
+  )
+
+
+def test_exposes_the_optax_multisteps_interface():
+  inner = optax.adam(1e-2)
+  multisteps = accum_jax.MultiSteps(inner, every_k_schedule=2)
+  params = make_params()
+  state = jax.jit(multisteps.init)(params)
+
+  assert (int(state.mini_step), int(state.gradient_step)) == (0, 0)
+  assert not bool(multisteps.has_updated(state))
+  assert shapes_and_dtypes(state.inner_opt_state) == shapes_and_dtypes(
+      jax.eval_shape(inner.init, params)
+  )
+  tree_allclose(state.acc_grads, jax.tree.map(jnp.zeros_like, params))
+  assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(state.acc_grads))
+
+  assert isinstance(multisteps.inner_opt, optax.GradientTransformationExtraArgs)
+  assert shapes_and_dtypes(jax.eval_shape(multisteps.inner_opt.init, params)) == (
+      shapes_and_dtypes(state.inner_opt_state)
+  )
+  transformation = multisteps.gradient_transformation()
+  assert isinstance(transformation, optax.GradientTransformationExtraArgs)
+  assert shapes_and_dtypes(jax.eval_shape(transformation.init, params)) == (
+      shapes_and_dtypes(state)
+  )
+
+  g1, g2 = microbatch_grads(params, 2)
+  _, updates, states = scan_updates(
+      transformation, params, stack_trees([g1, g2]), apply_updates=False
+  )
+  assert _ints(states.mini_step) == [1, 0]
+  assert _ints(states.gradient_step) == [0, 1]
+  assert _bools(multisteps.has_updated(states)) == [False, True]
+  expected, _ = jax.jit(inner.update)(tree_weighted_mean([g1, g2]), inner.init(params), params)
+  tree_allclose(unstack_tree(updates)[1], expected)
+
+
+_SKIP_FNS = {
+    "skip_not_finite": optax.skip_not_finite,
+    "skip_large_updates": functools.partial(optax.skip_large_updates, max_squared_norm=50.0),
+}
+
+
+@pytest.mark.parametrize("skip_name", list(_SKIP_FNS))
+def test_optax_skip_functions_match_optax_multisteps(skip_name):
+  ours, theirs = _pair("every 3 mini-steps", True, _SKIP_FNS[skip_name])
+  params = make_params()
+  g = microbatch_grads(params, 5)
+  nan = jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), g[0])
+  # Squared norm about 1000: refused by skip_large_updates, finite.
+  large = jax.tree.map(lambda x: 10.0 * x, g[1])
+  sequence = [g[0], nan, g[1], large, g[2], g[3], g[4]]
+  _, our_updates, our_states = scan_updates(
+      ours, params, stack_trees(sequence), apply_updates=False
+  )
+  _, their_updates, their_states = scan_updates(
+      theirs.gradient_transformation(), params, stack_trees(sequence), apply_updates=False
+  )
+  tree_allclose(our_updates, their_updates)
+  tree_allclose(our_states.skip_state, their_states.skip_state)
+  assert _ints(our_states.mini_step) == _ints(their_states.mini_step)
+  assert _ints(our_states.gradient_step) == _ints(their_states.gradient_step)
+
+  rejected = [1, 3] if skip_name == "skip_large_updates" else [1]
+  assert _bools(our_states.skip_state["should_skip"]) == [i in rejected for i in range(7)]
+  assert int(our_states.num_skipped[-1]) == len(rejected)
+  # A rejected mini-step is not accumulated: the first window is g0, g1 and
+  # the next accepted gradient.
+  first_window = [g[0], g[1], g[2] if 3 in rejected else large]
+  expected, _ = jax.jit(_INNER.update)(
+      tree_weighted_mean(first_window), _INNER.init(params), params
+  )
+  emitting_call = 4 if 3 in rejected else 3
+  tree_allclose(unstack_tree(our_updates)[emitting_call], expected)
+
+
+def test_works_inside_optax_chain():
+  ours = optax.chain(
+      optax.clip_by_global_norm(1.0),
+      accum_jax.MultiSteps(optax.adam(1e-2), every_k_schedule=2).gradient_transformation(),
+  )
+  theirs = optax.chain(
+      optax.clip_by_global_norm(1.0),
+      optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2).gradient_transformation(),
+  )
+  params = make_params()
+  grads = stack_trees(microbatch_grads(params, 4, scale=2.0))
+  our_params, our_updates, our_states = scan_updates(ours, params, grads)
+  their_params, their_updates, _ = scan_updates(theirs, params, grads)
+  tree_allclose(our_updates, their_updates)
+  tree_allclose(our_params, their_params)
+  assert _bools(accum_jax.has_updated(our_states)) == [False, True, False, True]
+
+
+def test_every_k_schedule_errors():
+  with pytest.raises(ValueError, match=re.escape("every_k_schedule=0 must be an int >= 1")):
+    accum_jax.MultiSteps(_INNER, every_k_schedule=0)
