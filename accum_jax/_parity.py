@@ -1,0 +1,509 @@
+"""Does microbatching change the result? A full-batch check with diagnoses.
+
+:func:`check_parity` runs ``jax.value_and_grad`` on the whole batch and
+:func:`accum_jax.value_and_grad` on the same batch split into microbatches, and
+compares the loss and every gradient leaf::
+
+  full = jax.value_and_grad(fun, argnums, has_aux)(*args)
+  micro = accum_jax.value_and_grad(fun, num_microbatches, **options)(*args)
+  for leaf in [loss, *gradient leaves]:
+    max_abs = max |micro - full|
+    max_rel = max_abs / max |full|        # against the leaf's largest entry
+    ok = max_abs <= atol + rtol * max |full|
+
+The deviation is measured against the leaf's largest entry, not entry by
+entry: an entry that cancels to nearly zero would otherwise fail on round-off
+alone. Where the check fails, :attr:`ParityReport.hints` names the usual causes
+it recognises.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from accum_jax import _microbatch, _sharding
+
+# Names of batch leaves that hold per-element validity or weights.
+_MASK_NAMES = ("mask", "valid", "padding", "weight")
+# At most this many mask candidates are tried as a weight_fn (one compile each).
+_MAX_WEIGHT_TRIALS = 2
+
+
+class LeafDeviation(NamedTuple):
+  """How far one leaf of the microbatched result is from the full-batch one.
+
+  Attributes:
+    max_abs: ``max |micro - full|`` over the leaf's entries (inf where one side
+      is NaN or Inf and the other is not).
+    max_rel: ``max_abs / max |full|``: the deviation against the leaf's largest
+      entry (inf where ``full`` is all zeros and ``micro`` is not).
+    ok: ``max_abs <= atol + rtol * max |full|``.
+  """
+
+  max_abs: float
+  max_rel: float
+  ok: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class ParityReport:
+  """The result of :func:`check_parity`.
+
+  Attributes:
+    ok: every leaf is within tolerance.
+    max_abs: the largest ``max_abs`` over the leaves.
+    max_rel: the largest ``max_rel`` over the leaves.
+    per_leaf: a :class:`LeafDeviation` per leaf: ``"loss"``, then each gradient
+      leaf as ``"grads"`` followed by its ``jax.tree_util.keystr`` path.
+    hints: the likely causes of a failure, in words (empty when ``ok``).
+    num_microbatches: the number of microbatches checked.
+    rtol: the relative tolerance used per leaf (it depends on the leaf's dtype
+      when not given), by leaf.
+    atol: the absolute tolerance.
+  """
+
+  ok: bool
+  max_abs: float
+  max_rel: float
+  per_leaf: Mapping[str, LeafDeviation]
+  hints: tuple[str, ...]
+  num_microbatches: int
+  rtol: Mapping[str, float]
+  atol: float
+
+  def __repr__(self) -> str:
+    width = max(len("leaf"), *(len(k) for k in self.per_leaf))
+    lines = [
+        f"ParityReport(ok={self.ok}, num_microbatches={self.num_microbatches},"
+        f" max_abs={self.max_abs:.3g}, max_rel={self.max_rel:.3g})",
+        f"  {'leaf':<{width}}  {'max_abs':>9}  {'max_rel':>9}  {'rtol':>8}",
+    ]
+    for name, leaf in self.per_leaf.items():
+      lines.append(
+          f"  {name:<{width}}  {leaf.max_abs:>9.2e}  {leaf.max_rel:>9.2e}"
+          f"  {self.rtol[name]:>8.1e}  {'ok' if leaf.ok else 'FAIL'}"
+      )
+    if self.hints:
+      lines.append("hints:")
+      lines.extend(f"  - {hint}" for hint in self.hints)
+    return "\n".join(lines)
+
+
+def _default_rtol(dtype: Any) -> float:
+  """``max(1e-5, 4 * eps)``: float32 1e-5; float16 3.9e-3; bfloat16 3.1e-2.
+
+  Against the leaf's largest entry, summing in another order leaves float32
+  gradients a few ``eps`` (1.2e-7) apart: 1e-5 leaves a wide margin for long
+  reductions. Float16 and bfloat16 results are rounded once more on the way
+  out; 4 ``eps`` allows a few such roundings.
+  """
+  return max(1e-5, 4 * float(jnp.finfo(dtype).eps))
+
+
+def _deviation(micro: Any, full: Any, rtol: float, atol: float) -> LeafDeviation:
+  a = np.asarray(micro, np.float64)
+  b = np.asarray(full, np.float64)
+  same = (a == b) | (np.isnan(a) & np.isnan(b))
+  diff = np.where(same, 0.0, np.abs(a - b))
+  diff = np.where(np.isnan(diff), np.inf, diff)
+  max_abs = float(diff.max()) if diff.size else 0.0
+  finite = np.abs(b[np.isfinite(b)])
+  scale = float(finite.max()) if finite.size else 0.0
+  if scale > 0:
+    max_rel = max_abs / scale
+  else:
+    max_rel = 0.0 if max_abs == 0 else math.inf
+  return LeafDeviation(max_abs, max_rel, bool(max_abs <= atol + rtol * scale))
+
+
+def _compare(
+    micro: tuple[Any, Any], full: tuple[Any, Any], rtol: float | None, atol: float
+) -> tuple[dict[str, LeafDeviation], dict[str, float], dict[str, float]]:
+  """Per leaf: the deviation, the rtol used, and the default rtol of its dtype."""
+  named = [("loss", micro[0], full[0])]
+  for (path, g_micro), g_full in zip(
+      jax.tree.leaves_with_path(micro[1]), jax.tree.leaves(full[1])
+  ):
+    named.append((f"grads{jax.tree_util.keystr(path)}", g_micro, g_full))
+  per_leaf, rtols, round_off = {}, {}, {}
+  for name, x, y in named:
+    dtype = jnp.result_type(y)
+    if not jnp.issubdtype(dtype, jnp.inexact):  # e.g. float0, no gradient
+      continue
+    round_off[name] = _default_rtol(dtype)
+    rtols[name] = round_off[name] if rtol is None else rtol
+    per_leaf[name] = _deviation(x, y, rtols[name], atol)
+  return per_leaf, rtols, round_off
+
+
+def _check_tolerance(name: str, value: Any) -> float:
+  if (
+      isinstance(value, bool)
+      or not isinstance(value, numbers.Real)
+      or not math.isfinite(value)
+      or value < 0
+  ):
+    raise ValueError(
+        f"{name}={value!r} must be a finite number >= 0 (the default rtol=None takes"
+        " max(1e-5, 4 * eps) of each leaf's dtype)."
+    )
+  return float(value)
+
+
+def _is_key(x: Any) -> bool:
+  dtype = getattr(x, "dtype", None)
+  return dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def _weight_fn_code(batch_nums: tuple[int, ...], position: int, path: str) -> str:
+  if len(batch_nums) == 1:
+    return f"weight_fn=lambda batch: batch{path}.sum()" if path else (
+        "weight_fn=lambda mask: mask.sum()")
+  return f"weight_fn=lambda *batches: batches[{position}]{path}.sum()"
+
+
+def _mask_candidates(
+    args: tuple[Any, ...], batch_nums: tuple[int, ...], num_parts: int
+) -> list[tuple[int, int, str, list[float]]]:
+  """Batch leaves that look like masks and count differently per microbatch.
+
+  Returns ``(position among the batch arguments, leaf index, keystr path,
+  per-microbatch sums)``, leaves named like masks first, then boolean ones, then
+  arrays of zeros and ones.
+  """
+  found = []
+  for position, n in enumerate(batch_nums):
+    for index, (path, leaf) in enumerate(jax.tree.leaves_with_path(args[n])):
+      name = jax.tree_util.keystr(path)
+      dtype = jnp.result_type(leaf)
+      if jnp.ndim(leaf) == 0 or jnp.shape(leaf)[0] % num_parts:
+        continue
+      if any(word in name.lower() for word in _MASK_NAMES):
+        rank = 0
+      elif dtype == jnp.bool_:
+        rank = 1
+      elif jnp.issubdtype(dtype, jnp.integer):
+        rank = 2  # e.g. an attention mask of ints; float data is not fetched
+      else:
+        continue
+      values = np.asarray(leaf)
+      if rank == 2 and not np.isin(values, (0, 1)).all():
+        continue
+      sums = values.reshape(num_parts, -1).astype(np.float64).sum(axis=1).tolist()
+      if len(set(sums)) > 1:
+        found.append((rank, position, index, name, sums))
+  found.sort(key=lambda c: c[0])  # stable: in the order of the arguments
+  return [c[1:] for c in found]
+
+
+def _format_sums(sums: Sequence[float]) -> str:
+  shown = ", ".join(f"{s:g}" for s in sums[:8])
+  return shown + (", ..." if len(sums) > 8 else "")
+
+
+def check_parity(
+    fun: Callable[..., Any],
+    *args: Any,
+    num_microbatches: int,
+    rtol: float | None = None,
+    atol: float = 0.0,
+    **value_and_grad_options: Any,
+) -> ParityReport:
+  """Compares :func:`accum_jax.value_and_grad` with the full-batch gradient.
+
+  Runs (compiled, outside any ``jax.jit`` of yours) ``jax.value_and_grad(fun,
+  argnums, has_aux)`` on the whole batch and ``accum_jax.value_and_grad(fun,
+  num_microbatches, **options)`` on the same batch, and compares the loss and
+  each gradient leaf. Aux values and threaded state are not compared: their
+  reductions are chosen by you. The whole batch must fit in memory: check on a
+  batch as large as fits, with the options of the real step.
+
+  A leaf passes when ``max |micro - full| <= atol + rtol * max |full|``. The
+  default ``rtol`` depends on the leaf's dtype: ``max(1e-5, 4 * eps)``, that is
+  1e-5 for float32 (summing in another order leaves float32 gradients a few
+  ``eps`` apart), 3.9e-3 for float16 and 3.1e-2 for bfloat16.
+
+  Where parity fails, :attr:`ParityReport.hints` names the causes recognised:
+
+  - A loss that averages over valid elements (a mask) while the microbatches
+    hold different numbers of them: the mean of the microbatch means is not the
+    full mean. Without ``weight_fn``, batch leaves named like masks (``mask``,
+    ``valid``, ``padding``, ``weight``), boolean leaves, and arrays of zeros and
+    ones whose per-microbatch sums differ are tried, up to two, as
+    ``weight_fn``; the hint gives the ``weight_fn`` that restores parity (or
+    says that weighting by a mask-named leaf was not enough).
+  - ``state_argnums`` (or an aux holding ``batch_stats``): BatchNorm normalises
+    each microbatch with its own statistics, which differ from the full
+    batch's by design.
+  - ``rng_argnums``: microbatch ``i`` draws with ``fold_in(key, i)``, so dropout
+    masks differ from the full-batch draw by design; a PRNG key argument not
+    in ``rng_argnums`` repeats one draw in every microbatch.
+  - Microbatches skipped for a non-finite loss or gradient, and a full-batch
+    result that is itself not finite.
+  - Otherwise, a deviation within 100 times the default ``rtol``, which may be
+    round-off; and what microbatching assumes of the loss.
+
+  Args:
+    fun: the loss function, as for :func:`accum_jax.value_and_grad`.
+    *args: its positional arguments, concrete arrays.
+    num_microbatches: the number of microbatches to check.
+    rtol: relative tolerance per leaf against its largest entry; None for
+      ``max(1e-5, 4 * eps)`` of each leaf's dtype.
+    atol: absolute tolerance.
+    **value_and_grad_options: the options of :func:`accum_jax.value_and_grad`
+      (``argnums``, ``batch_argnums``, ``has_aux``, ``weight_fn``,
+      ``rng_argnums``, ``state_argnums``...), as the step uses them.
+
+  Returns:
+    A :class:`ParityReport`.
+
+  Raises:
+    ValueError: for a negative or non-finite tolerance, and what
+      :func:`accum_jax.value_and_grad` raises for its arguments.
+
+  Examples:
+    >>> import jax.numpy as jnp, accum_jax
+    >>> def loss(w, batch):  # the mean over valid tokens
+    ...   err = (batch["x"] @ w - batch["y"]) ** 2
+    ...   return jnp.sum(err * batch["mask"]) / jnp.sum(batch["mask"])
+    >>> w = jnp.ones(3)
+    >>> batch = {"x": jnp.arange(24.0).reshape(8, 3) / 24, "y": jnp.zeros(8),
+    ...          "mask": jnp.array([1.0, 1, 1, 0, 1, 1, 1, 1])}
+    >>> report = accum_jax.check_parity(loss, w, batch, num_microbatches=4)
+    >>> report.ok
+    False
+    >>> print(report.hints[0])  # doctest: +ELLIPSIS
+    The loss looks like a mean over the valid elements of batch['mask'], ...
+    >>> accum_jax.check_parity(loss, w, batch, num_microbatches=4,
+    ...                        weight_fn=lambda batch: batch["mask"].sum()).ok
+    True
+  """
+  num_microbatches = _microbatch._check_num_microbatches(num_microbatches)
+  atol = _check_tolerance("atol", atol)
+  if rtol is not None:
+    rtol = _check_tolerance("rtol", rtol)
+  options = dict(value_and_grad_options)
+  options.pop("return_info", None)
+  argnums = options.get("argnums", 0)
+  if not isinstance(argnums, numbers.Integral):
+    argnums = _microbatch._as_tuple(argnums, "argnums")
+  has_aux = options.get("has_aux", False)
+
+  def run_micro(opts: Mapping[str, Any]) -> tuple[Any, Any, Any]:
+    out, grads, info = jax.jit(
+        _microbatch.value_and_grad(fun, num_microbatches, return_info=True, **opts)
+    )(*args)
+    return (out[0] if has_aux else out), grads, info
+
+  micro_loss, micro_grads, info = run_micro(options)
+  full_out, full_grads = jax.jit(jax.value_and_grad(fun, argnums, has_aux=has_aux))(*args)
+  full_loss = full_out[0] if has_aux else full_out
+  per_leaf, rtols, round_off = _compare(
+      (micro_loss, micro_grads), (full_loss, full_grads), rtol, atol
+  )
+  ok = all(leaf.ok for leaf in per_leaf.values())
+
+  hints: list[str] = []
+  if not ok:
+    num_shards = 1
+    if options.get("mesh") is not None or options.get("data_axis") is not None:
+      mesh, axis = _sharding.resolve_mesh(options.get("mesh"), options.get("data_axis"))
+      num_shards = int(mesh.shape[axis])
+    hints = _diagnose(
+        args=args,
+        options=options,
+        per_leaf=per_leaf,
+        round_off=round_off,
+        full=(full_loss, full_grads),
+        full_aux=full_out[1] if has_aux else None,
+        num_skipped=int(info.num_skipped),
+        num_microbatches=num_microbatches,
+        num_shards=num_shards,
+        run_micro=run_micro,
+        rtol=rtol,
+        atol=atol,
+    )
+  return ParityReport(
+      ok=ok,
+      max_abs=max((leaf.max_abs for leaf in per_leaf.values()), default=0.0),
+      max_rel=max((leaf.max_rel for leaf in per_leaf.values()), default=0.0),
+      per_leaf=per_leaf,
+      hints=tuple(hints),
+      num_microbatches=num_microbatches,
+      rtol=rtols,
+      atol=atol,
+  )
+
+
+def _diagnose(
+    *,
+    args: tuple[Any, ...],
+    options: Mapping[str, Any],
+    per_leaf: Mapping[str, LeafDeviation],
+    round_off: Mapping[str, float],
+    full: tuple[Any, Any],
+    full_aux: Any,
+    num_skipped: int,
+    num_microbatches: int,
+    num_shards: int,
+    run_micro: Callable[[Mapping[str, Any]], tuple[Any, Any, Any]],
+    rtol: float | None,
+    atol: float,
+) -> list[str]:
+  """The recognised causes of a failed check, in words."""
+  batch_nums = _microbatch._as_tuple(options.get("batch_argnums", 1), "batch_argnums")
+  rng_nums = _microbatch._as_tuple(options.get("rng_argnums"), "rng_argnums")
+  state_nums = _microbatch._as_tuple(options.get("state_argnums"), "state_argnums")
+  # Causes that make parity fail whatever the weights: with one of them, a
+  # weight_fn cannot be checked against the reference, so none is tried.
+  by_design = []
+  hints = []
+
+  inexact = [x for x in jax.tree.leaves(full) if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
+  if not all(np.isfinite(np.asarray(x)).all() for x in inexact):
+    by_design.append(
+        "The full-batch loss or gradient is itself not finite (NaN or Inf), so there is"
+        " no finite reference to match; fix the loss (or the data) on the full batch"
+        " first."
+    )
+  if num_skipped:
+    hints.append(
+        f"{num_skipped} microbatch(es) were skipped because their loss or gradient was"
+        " not finite (or their weight negative); the result averages the others only."
+        " Find the rows that make the loss non-finite, or pass skip_nonfinite=False to"
+        " see the NaN."
+    )
+
+  if state_nums:
+    by_design.append(
+        f"state_argnums={state_nums[0]} threads a state such as BatchNorm batch_stats:"
+        " in training mode each microbatch is normalised with its own batch statistics,"
+        " which differ from the full batch's by design (and the running averages are"
+        " updated once per microbatch). Check parity in evaluation mode"
+        " (use_running_average=True) to test the rest of the step."
+    )
+  elif any(
+      "batch_stats" in jax.tree_util.keystr(path)
+      for path, _ in jax.tree.leaves_with_path(full_aux)
+  ):
+    by_design.append(
+        "The aux holds batch_stats: with BatchNorm in training mode each microbatch is"
+        " normalised with its own statistics, which differ from the full batch's by"
+        " design. Thread the statistics with state_argnums, and check parity in"
+        " evaluation mode (use_running_average=True)."
+    )
+
+  if rng_nums:
+    by_design.append(
+        f"rng_argnums={rng_nums} gives microbatch i the key fold_in(key, i), so dropout"
+        " and other random draws differ from the full-batch draw by design. Check"
+        " parity with dropout off (deterministic=True, or a rate of 0)."
+    )
+  unnamed_keys = [
+      n for n, arg in enumerate(args)
+      if n not in rng_nums and any(_is_key(x) for x in jax.tree.leaves(arg))
+  ]
+  if unnamed_keys:
+    by_design.append(
+        f"Argument(s) {unnamed_keys} hold a PRNG key not named in rng_argnums: every"
+        " microbatch draws with the same key, so random draws repeat across microbatches"
+        " and differ from the full-batch draw. Name the key in rng_argnums, and check"
+        " parity with dropout off."
+    )
+
+  hints = by_design + hints
+  conclusive = bool(hints)
+  if options.get("weight_fn") is not None:
+    hints.append(
+        "weight_fn is given: check that it returns exactly the count the loss divides"
+        " by in each microbatch (e.g. the number of valid tokens, not of rows), and that"
+        " fun returns the microbatch's mean over those, not its sum."
+    )
+  elif not by_design:
+    mask_hints, found = _mean_of_means_hints(
+        args, options, batch_nums, num_microbatches, num_shards, run_micro, full, rtol, atol
+    )
+    hints.extend(mask_hints)
+    conclusive = conclusive or found
+
+  if not conclusive:
+    # The worst failing leaf's deviation, in units of its dtype's default rtol.
+    excess = max(leaf.max_rel / round_off[name] for name, leaf in per_leaf.items()
+                 if not leaf.ok)
+    if excess <= 1:
+      return hints + [
+          f"The deviation is within round-off (max_rel at most {excess:.3g} times the"
+          " default rtol of the leaf's dtype): the tolerance given is tighter than the"
+          " order of summation allows. Use the default, rtol=None."
+      ]
+    if excess < 100:
+      hints.append(
+          f"The deviation is small ({excess:.3g} times the default rtol of the leaf's"
+          " dtype): this can be round-off of long reductions, or of low-precision arithmetic"
+          " (e.g. bfloat16 activations) summed in another order. If so, pass a looser"
+          " rtol."
+      )
+    hints.append(
+        "Microbatching reproduces the full batch when the loss is a mean of independent"
+        " per-example terms (or, with weight_fn, a mean over the units weight_fn"
+        " counts). Losses that couple the examples of a batch (batch statistics,"
+        " in-batch negatives of contrastive losses, normalising by a batch-dependent"
+        " quantity) change with the microbatch size by design."
+    )
+  return hints
+
+
+def _mean_of_means_hints(
+    args: tuple[Any, ...],
+    options: Mapping[str, Any],
+    batch_nums: tuple[int, ...],
+    num_microbatches: int,
+    num_shards: int,
+    run_micro: Callable[[Mapping[str, Any]], tuple[Any, Any, Any]],
+    full: tuple[Any, Any],
+    rtol: float | None,
+    atol: float,
+) -> tuple[list[str], bool]:
+  """Tries mask-like batch leaves as weight_fn; says which one restores parity.
+
+  Returns the hints, and whether a ``weight_fn`` was found that restores parity.
+  """
+  hints = []
+  num_parts = num_microbatches * num_shards
+  where = f" ({num_microbatches} on each of {num_shards} devices)" if num_shards > 1 else ""
+  candidates = _mask_candidates(args, batch_nums, num_parts)
+  for position, index, path, sums in candidates[:_MAX_WEIGHT_TRIALS]:
+
+    def mask_weight(*batches, position=position, index=index):
+      return jnp.sum(jax.tree.leaves(batches[position])[index].astype(jnp.float32))
+
+    micro_loss, micro_grads, _ = run_micro({**options, "weight_fn": mask_weight})
+    weighted, _, _ = _compare((micro_loss, micro_grads), full, rtol, atol)
+    if len(batch_nums) == 1:
+      leaf_name = f"batch{path}" if path else "the batch"
+    else:
+      leaf_name = f"argument {batch_nums[position]}{path}"
+    code = _weight_fn_code(batch_nums, position, path)
+    counts = f"it sums to {_format_sums(sums)} in the {num_parts} microbatches{where}"
+    if all(leaf.ok for leaf in weighted.values()):
+      return [
+          f"The loss looks like a mean over the valid elements of {leaf_name}, but"
+          f" {counts}: the plain mean of the microbatch means weights them equally, not"
+          f" by their counts. Pass {code} (checked: it restores parity), so that each"
+          " microbatch counts by its number of valid elements."
+      ], True
+    if any(word in path.lower() for word in _MASK_NAMES):
+      hints.append(
+          f"{leaf_name} looks like a mask and {counts}; weighting the microbatches by"
+          f" it ({code}) did not restore parity on its own. If the loss divides by"
+          " another count, return that count from weight_fn."
+      )
+  return hints, False
