@@ -5,6 +5,8 @@ from importlib import metadata as _metadata
 from accum_jax._core import Accumulator
 from accum_jax._microbatch import MicrobatchInfo, grad, value_and_grad
 from accum_jax._multisteps import MultiSteps
+from accum_jax._parity import LeafDeviation, ParityReport, check_parity
+from accum_jax._planner import MemoryBudgetError, MicrobatchPlan, plan_microbatches
 from accum_jax._transform import (
     AccumulationState,
     EveryKSchedule,
@@ -24,13 +26,19 @@ __all__ = (
     "Accumulator",
     "AccumulationState",
     "EveryKSchedule",
+    "LeafDeviation",
+    "MemoryBudgetError",
     "MicrobatchInfo",
+    "MicrobatchPlan",
     "MultiSteps",
+    "ParityReport",
     "ShouldSkipUpdateFunction",
     "accumulate",
+    "check_parity",
     "every_k_schedule",
     "grad",
     "has_updated",
     "optimizer_step",
+    "plan_microbatches",
     "value_and_grad",
 )

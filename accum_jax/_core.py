@@ -158,12 +158,13 @@ def result(acc: Accumulator, like: Any, reduction: Reduction = "mean") -> Any:
   Returns:
     A pytree with the structure of ``acc.total`` and the dtypes of ``like``.
   """
-  if reduction == "mean":
-    safe = jnp.where(acc.weight > 0, acc.weight, 1.0)
-    scale = lambda t: t / safe.astype(t.dtype)
-  else:
-    scale = lambda t: t
-  return jax.tree.map(lambda t, x: scale(t).astype(x.dtype), acc.total, like)
+  divisor = jnp.where(acc.weight > 0, acc.weight, 1.0) if reduction == "mean" else None
+
+  def finish(total, x):
+    normalised = total if divisor is None else total / divisor.astype(total.dtype)
+    return normalised.astype(x.dtype)
+
+  return jax.tree.map(finish, acc.total, like)
 
 
 def empty(acc: Accumulator) -> Accumulator:

@@ -14,8 +14,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-
 
 
 def resolve_mesh(mesh: Any, data_axis: str | None) -> tuple[Any, str]:
@@ -63,6 +63,9 @@ def data_parallel(
     )
   check_divisible(mesh.shape[axis])
   in_specs = tuple(P(axis) if i in batch_argnums else P() for i in range(len(args)))
+  if any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
+    # Under explicit sharding shard_map takes arguments only as its specs say.
+    args = jax.reshard(args, tuple(NamedSharding(mesh, spec) for spec in in_specs))
 
   def per_device(*local_args):
     acc, aux_acc, state, _, shapes = local_sums(local_args, jax.lax.axis_index(axis))

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 import numbers
-from collections.abc import Callable, Mapping
+import operator
+from collections.abc import Mapping
 from typing import Any, NamedTuple, Protocol
 
 import jax
@@ -67,17 +69,17 @@ class AccumulationState(NamedTuple):
 def _check_every_k(every_k: Any, name: str) -> EveryKSchedule:
   if callable(every_k):
     return every_k
-  if (
-      isinstance(every_k, bool)
-      or not isinstance(every_k, numbers.Integral)
-      or every_k < 1
-  ):
+  try:
+    # operator.index accepts Python, NumPy and concrete JAX integers only.
+    k = None if isinstance(every_k, bool) else operator.index(every_k)
+  except TypeError:
+    k = None
+  if k is None or k < 1:
     raise ValueError(
         f"{name}={every_k!r} must be an int >= 1 (the number of calls per"
         " update) or a callable from the optimizer step to that number; use"
         " 1 for no accumulation."
     )
-  k = int(every_k)
   return lambda optimizer_step: k
 
 
@@ -107,7 +109,7 @@ def _check_weight(weight: Any) -> None:
         f" tokens), got an array of shape {jnp.shape(weight)}. Reduce it, e.g."
         " weight=mask.sum()."
     )
-  if not isinstance(weight, jax.core.Tracer) and not float(weight) >= 0:
+  if not isinstance(weight, jax.core.Tracer) and not 0 <= float(weight) < math.inf:
     raise ValueError(
         f"weight={float(weight)} must be a finite number >= 0 (e.g. a count of"
         " valid tokens). Under jit such a weight is skipped and counted in"
@@ -200,7 +202,9 @@ def _accumulate(
     # sum is zero too); it restarts, and is counted.
     empty_window = window_done & ~apply & (accumulator.count > 0)
     return new_updates, AccumulationState(
-        accumulator=accumulator._replace(count=jnp.where(window_done & ~apply, 0, accumulator.count)),
+        accumulator=accumulator._replace(
+            count=jnp.where(window_done & ~apply, 0, accumulator.count)
+        ),
         optimizer_step=state.optimizer_step + apply.astype(jnp.int32),
         inner_opt_state=inner_state,
         last_updated=apply,
@@ -330,7 +334,9 @@ def every_k_schedule(
 
 
 def _find_state(state: Any, caller: str) -> AccumulationState:
-  is_state = lambda x: isinstance(x, AccumulationState)
+  def is_state(x):
+    return isinstance(x, AccumulationState)
+
   found = [x for x in jax.tree.leaves(state, is_leaf=is_state) if is_state(x)]
   if not found:
     raise ValueError(
