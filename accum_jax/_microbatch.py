@@ -228,10 +228,18 @@ def value_and_grad(
     )
   accumulator_dtype = _core.canonicalize_accumulator_dtype(accumulator_dtype)
   single_argnum = isinstance(argnums, numbers.Integral)
+
+  def value_and_aux(*args):
+    value, aux = fun(*args) if has_aux else (fun(*args), ())
+    if jnp.ndim(value) != 0:
+      raise ValueError(
+          f"fun must return a scalar loss, got shape {jnp.shape(value)}: reduce it (e.g. with"
+          " jnp.mean), and return other outputs as aux with has_aux=True."
+      )
+    return value, aux
+
   grad_fun = jax.value_and_grad(
-      fun if has_aux else lambda *a: (fun(*a), ()),
-      argnums=diff_nums[0] if single_argnum else diff_nums,
-      has_aux=True,
+      value_and_aux, argnums=diff_nums[0] if single_argnum else diff_nums, has_aux=True
   )
   data_parallel = mesh is not None or data_axis is not None
 
@@ -250,8 +258,6 @@ def value_and_grad(
       if state_nums:
         call_args[state_nums[0]] = state
       (value, aux), grads = grad_fun(*call_args)
-      if jnp.ndim(value) != 0:
-        raise ValueError(f"fun must return a scalar loss, got shape {jnp.shape(value)}.")
       new_state, aux = aux if state_nums else (None, aux)
       if weight_fn is None:
         weight = None
