@@ -342,7 +342,7 @@ def _find_state(state: Any, caller: str) -> AccumulationState:
     raise ValueError(
         f"{caller} found no accum_jax.accumulate state in {type(state).__name__}."
         " Pass the optimizer state that accumulate(...).init returned, or one"
-        " that holds it (an optax.chain state, TrainState.opt_state)."
+        " that holds it (an optax.chain state, a Flax TrainState, an nnx.Optimizer)."
     )
   return found[0]
 
@@ -352,16 +352,19 @@ def has_updated(state: Any) -> jax.Array:
 
   Args:
     state: the state of :func:`accumulate` or :class:`accum_jax.MultiSteps`,
-      or any pytree holding it (an ``optax.chain`` state, a Flax
-      ``TrainState.opt_state``); the first one found is read.
+      or any pytree holding it (an ``optax.chain`` state, a Flax ``TrainState``
+      or its ``opt_state``, an ``nnx.Optimizer`` or its ``opt_state``); the
+      first one found is read.
   """
-  return _find_state(state, "has_updated").last_updated
+  # asarray unwraps array-likes such as the nnx.Variables of an nnx.Optimizer.
+  return jnp.asarray(_find_state(state, "has_updated").last_updated)
 
 
 def optimizer_step(state: Any) -> jax.Array:
   """The number of updates the inner optimizer has applied (int32 scalar).
 
-  Unlike Flax's ``TrainState.step``, which counts calls, this counts real
-  optimizer updates. ``state`` is read as by :func:`has_updated`.
+  Unlike Flax's ``TrainState.step`` and ``nnx.Optimizer.step``, which count
+  calls, this counts real optimizer updates. ``state`` is read as by
+  :func:`has_updated`.
   """
-  return _find_state(state, "optimizer_step").optimizer_step
+  return jnp.asarray(_find_state(state, "optimizer_step").optimizer_step)

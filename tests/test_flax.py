@@ -252,12 +252,6 @@ def test_nnx_optimizer_with_accumulate_passes_weight_and_flush_and_matches_optax
   assert int(nnx.as_pure(optimizer.opt_state).optimizer_step) == 2
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=TypeError,
-    reason="has_updated/optimizer_step return the nnx.Variable that holds the value;"
-    " accum_jax/_transform.py must unwrap it with jnp.asarray",
-)
 def test_has_updated_and_optimizer_step_read_an_nnx_optimizer():
   model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
   optimizer = nnx.Optimizer(model, accum_jax.accumulate(optax.sgd(0.1), every_k=2), wrt=nnx.Param)
