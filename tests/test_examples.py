@@ -19,6 +19,10 @@ EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples"
 # The quickstart's two runs agree to float32 round-off (~1e-7); this leaves room for
 # other platforms' kernels without letting a real accumulation error through.
 LOSS_DIFFERENCE_TOLERANCE = 1e-4
+# Exact accumulation (token-weighted, or data-parallel) matches the full batch to float32
+# round-off (~1e-7 relative); the mean of microbatch means misses it by percents.
+PARITY_TOLERANCE = 1e-5
+MEAN_OF_MEANS_MIN_DEVIATION = 1e-3
 
 
 class Example(NamedTuple):
@@ -34,9 +38,48 @@ def _number_after(label: str, stdout: str) -> float:
   return float(match.group(1))
 
 
+def _rows_after(label: str, stdout: str) -> list[list[float]]:
+  """The numbers on every line that starts with ``label``, one list per line."""
+  rows = [
+      [float(x) for x in line[len(label) :].split()]
+      for line in stdout.splitlines()
+      if line.startswith(label)
+  ]
+  assert rows, f"no line starting {label!r} in the output:\n{stdout}"
+  return rows
+
+
+def _check_loss_went_down(stdout: str) -> None:
+  assert _number_after("last loss:", stdout) < _number_after("first loss:", stdout), stdout
+
+
 def check_quickstart(stdout: str) -> None:
   loss_difference = _number_after("largest loss difference:", stdout)
   assert loss_difference < LOSS_DIFFERENCE_TOLERANCE, stdout
+
+
+def check_token_weighted_lm(stdout: str) -> None:
+  # Columns: loss |diff|, loss relative, gradient max |diff|, gradient relative (global norm).
+  # One row at initialisation, one after training.
+  for _, loss_rel, _, grad_rel in _rows_after("token-weighted (weight_fn)", stdout):
+    assert loss_rel < PARITY_TOLERANCE and grad_rel < PARITY_TOLERANCE, stdout
+  for _, loss_rel, _, grad_rel in _rows_after("mean of means (no weight_fn)", stdout):
+    assert loss_rel > MEAN_OF_MEANS_MIN_DEVIATION, stdout
+    assert grad_rel > MEAN_OF_MEANS_MIN_DEVIATION, stdout
+  _check_loss_went_down(stdout)
+
+
+def check_data_parallel(stdout: str) -> None:
+  # Collectives in the compiled step: (inside the microbatch loop, after it).
+  [[accum_in_loop, accum_after_loop]] = _rows_after("collectives, accum_jax:", stdout)
+  assert accum_in_loop == 0 and accum_after_loop >= 1, stdout
+  [[scan_in_loop, _]] = _rows_after("collectives, plain scan:", stdout)
+  assert scan_in_loop > 0, stdout
+  # Parity with one device on the full batch: (loss |diff|, gradient relative deviation).
+  for name in ("accum_jax", "plain scan"):
+    [[loss_diff, grad_rel]] = _rows_after(f"parity, {name}:", stdout)
+    assert loss_diff < PARITY_TOLERANCE and grad_rel < PARITY_TOLERANCE, stdout
+  _check_loss_went_down(stdout)
 
 
 EXAMPLES = [
@@ -45,6 +88,19 @@ EXAMPLES = [
         args=("--quick", "--plot", "{tmp}/x.png"),
         outputs=("x.png",),
         check=check_quickstart,
+    ),
+    Example(
+        script="token_weighted_lm.py",
+        args=("--quick",),
+        outputs=(),
+        check=check_token_weighted_lm,
+    ),
+    Example(
+        # Under pytest, conftest.py gives the subprocess 8 CPU devices through XLA_FLAGS.
+        script="data_parallel.py",
+        args=("--quick",),
+        outputs=(),
+        check=check_data_parallel,
     ),
 ]
 
