@@ -6,6 +6,7 @@ To add an example, append an ``Example`` to ``EXAMPLES``: the script, its quick 
 
 from __future__ import annotations
 
+import math
 import re
 import subprocess
 import sys
@@ -82,6 +83,28 @@ def check_data_parallel(stdout: str) -> None:
   _check_loss_went_down(stdout)
 
 
+def check_flax_linen(stdout: str) -> None:
+  assert _number_after("largest difference from sequential:", stdout) < LOSS_DIFFERENCE_TOLERANCE
+  assert _number_after("test accuracy:", stdout) > 0.5, stdout
+
+
+def check_flax_nnx_accumulate(stdout: str) -> None:
+  calls = _number_after("calls of optimizer.update (nnx.Optimizer.step):", stdout)
+  updates = _number_after("Adam updates (accum_jax.optimizer_step):", stdout)
+  assert updates == math.ceil(calls / 4), stdout  # every_k=4, the last window flushed
+  assert _number_after("test accuracy:", stdout) > 0.5, stdout
+
+
+def check_flax_nnx_value_and_grad(stdout: str) -> None:
+  assert _number_after("Adam updates (one per call):", stdout) > 0, stdout
+  assert _number_after("test accuracy:", stdout) > 0.5, stdout
+
+
+def check_resume(stdout: str) -> None:
+  assert "mini_step 2" in stdout, stdout  # restored in the middle of a window
+  assert "bitwise equal: True" in stdout, stdout
+
+
 EXAMPLES = [
     Example(
         script="quickstart.py",
@@ -102,10 +125,18 @@ EXAMPLES = [
         outputs=(),
         check=check_data_parallel,
     ),
+
+
+    Example("flax_linen.py", ("--quick",), (), check_flax_linen),
+    Example("flax_nnx.py", ("--quick",), (), check_flax_nnx_accumulate),
+    Example(
+        "flax_nnx.py", ("--quick", "--door", "value_and_grad"), (), check_flax_nnx_value_and_grad
+    ),
+    Example("resume.py", ("--quick",), (), check_resume),
 ]
 
 
-@pytest.mark.parametrize("example", EXAMPLES, ids=lambda e: e.script)
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda e: " ".join((e.script, *e.args[1:])))
 def test_example_runs(example: Example, tmp_path: Path) -> None:
   args = [arg.format(tmp=tmp_path) for arg in example.args]
   result = subprocess.run(
