@@ -1,0 +1,309 @@
+"""The README's table of errors, checked against the code.
+
+Each row of the table between the ``errors-table`` markers in README.md is keyed by its
+"when" cell: ``TRIGGERS`` holds a call that must raise a ``ValueError`` whose message
+contains the row's excerpt verbatim, ``BEHAVIOURS`` a check for the rows marked
+"(no error)". A row without an entry, or an entry without a row, fails: the README and
+the code cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import NamedTuple
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import tree_allclose
+
+import accum_jax
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+NO_ERROR = "(no error)"
+
+
+class Row(NamedTuple):
+  raised_by: str
+  when: str
+  message: str  # the excerpt, without its backticks
+  fix: str
+
+
+def _cells(line: str) -> list[str]:
+  cells = re.split(r"(?<!\\)\|", line.strip().strip("|"))
+  return [cell.strip().replace(r"\|", "|") for cell in cells]
+
+
+def readme_rows() -> list[Row]:
+  text = README.read_text()
+  section = re.search(r"<!-- errors-table -->(.*?)<!-- /errors-table -->", text, re.DOTALL)
+  assert section, "README.md has no errors-table section"
+  lines = [line for line in section.group(1).splitlines() if line.startswith("|")]
+  header, rule, *body = lines
+  assert _cells(header) == ["raised by", "when", "message (excerpt)", "fix"], header
+  assert set(rule) <= set("|-: "), rule
+  rows = []
+  for line in body:
+    cells = _cells(line)
+    assert len(cells) == 4, f"a row needs 4 cells: {line}"
+    message = cells[2]
+    if not message.startswith(NO_ERROR):
+      assert message.startswith("`") and message.endswith("`"), f"quote the excerpt: {line}"
+      message = message[1:-1]
+    rows.append(Row(cells[0], cells[1], message, cells[3]))
+  return rows
+
+
+ROWS = readme_rows()
+
+
+def _loss(w, batch):
+  return jnp.mean((batch @ w) ** 2)
+
+
+W = jnp.ones(3)
+
+
+def _mesh(shape=(8,), axes=("data",)):
+  return jax.make_mesh(shape, axes, axis_types=(jax.sharding.AxisType.Auto,) * len(shape))
+
+
+def _vg(num_microbatches=2, **options):
+  return accum_jax.value_and_grad(_loss, num_microbatches, **options)
+
+
+def _plan(batch=None, **options):
+  batch = jnp.ones((8, 3)) if batch is None else batch
+  options.setdefault("memory_budget_bytes", 2**30)
+  return accum_jax.plan_microbatches(_loss, W, batch, **options)
+
+
+class _FullDevice:
+  """A device whose memory is all in use."""
+
+  platform = "fake"
+
+  def memory_stats(self):
+    return {"bytes_limit": 100, "bytes_in_use": 100}
+
+
+def _plan_on_a_full_device():
+  with mock.patch("jax.devices", return_value=[_FullDevice()]):
+    _plan(memory_budget_bytes=None)
+
+
+def _plan_without_memory_analysis():
+  with mock.patch.object(jax.stages.Compiled, "memory_analysis", return_value=None):
+    _plan()
+
+
+def _sgd_update(grads, *, weight=None, every_k=2):
+  opt = accum_jax.accumulate(optax.sgd(0.1), every_k=every_k)
+  params = {"w": W}
+  return opt.update(grads, opt.init(params), params, weight=weight)
+
+
+TRIGGERS: dict[str, Callable[[], object]] = {
+    "`every_k` is below 1": lambda: accum_jax.accumulate(optax.sgd(1.0), every_k=0),
+    "`every_k` is not an int (a float, a bool)": lambda: accum_jax.accumulate(
+        optax.sgd(1.0), every_k=2.0
+    ),
+    "`every_k_schedule` is below 1 or not an int": lambda: accum_jax.MultiSteps(
+        optax.sgd(1.0), every_k_schedule=0
+    ),
+    "`reduction` is neither `'mean'` nor `'sum'`": lambda: accum_jax.accumulate(
+        optax.sgd(1.0), every_k=2, reduction="avg"
+    ),
+    "`accumulator_dtype` is an integer dtype": lambda: accum_jax.accumulate(
+        optax.sgd(1.0), every_k=2, accumulator_dtype=jnp.int32
+    ),
+    "`accumulator_dtype` is not a dtype at all": lambda: accum_jax.MultiSteps(
+        optax.sgd(1.0), every_k_schedule=2, accumulator_dtype="fast"
+    ),
+    "`boundaries` is empty": lambda: accum_jax.every_k_schedule({}),
+    "a key of `boundaries` is not an int >= 0": lambda: accum_jax.every_k_schedule({-1: 2}),
+    "a value of `boundaries` is below 1 or not an int": lambda: accum_jax.every_k_schedule(
+        {0: 1, 10: 0}
+    ),
+    "the gradients' tree differs from the parameters' given to `init`": lambda: _sgd_update(
+        {"v": W}
+    ),
+    "a gradient's shape differs from its parameter's": lambda: _sgd_update({"w": jnp.ones(2)}),
+    "`weight` is not a scalar": lambda: _sgd_update({"w": W}, weight=jnp.ones(2)),
+    "a concrete (not traced) `weight` is negative, NaN or infinite": lambda: _sgd_update(
+        {"w": W}, weight=-1.0
+    ),
+    "the state holds no `accumulate` state": lambda: accum_jax.has_updated(
+        optax.sgd(1.0).init(W)
+    ),
+    "`num_microbatches` is below 1": lambda: _vg(0),
+    "`num_microbatches` is not an int": lambda: accum_jax.grad(_loss, 2.0),
+    "an `argnums`-like option is negative or not an int": lambda: _vg(batch_argnums=-1),
+    "`argnums=()`": lambda: _vg(argnums=()),
+    "`batch_argnums=()`": lambda: _vg(batch_argnums=()),
+    "`state_argnums` names more than one argument": lambda: _vg(state_argnums=(2, 3)),
+    "one argument has two roles (e.g. in `argnums` and `batch_argnums`)": lambda: _vg(argnums=1),
+    "`aux_reduction` is unknown": lambda: _vg(aux_reduction="max"),
+    "`state_argnums` without `has_aux=True`": lambda: _vg(state_argnums=2),
+    "an `argnums`-like option names an argument that was not passed": lambda: _vg(argnums=2)(
+        W, jnp.ones((4, 3))
+    ),
+    "an `rng_argnums` argument is not a PRNG key": lambda: _vg(rng_argnums=2)(
+        W, jnp.ones((4, 3)), 0
+    ),
+    "a batch argument has a leaf without a batch axis": lambda: _vg()(W, jnp.float32(1.0)),
+    "the batch arguments hold no arrays": lambda: _vg()(W, {}),
+    "batch leaves have different leading (batch) sizes": lambda: _vg(batch_argnums=(1, 2))(
+        W, jnp.ones((4, 3)), jnp.ones(6)
+    ),
+    "the batch does not split into `num_microbatches`": lambda: _vg(4)(W, jnp.ones((10, 3))),
+    "the batch does not split into `num_microbatches` on each device": lambda: _vg(
+        4, mesh=_mesh()
+    )(W, jnp.ones((16, 3))),
+    "`weight_fn` returns a non-scalar": lambda: _vg(weight_fn=lambda batch: batch[:, 0])(
+        W, jnp.ones((4, 3))
+    ),
+    "`fun` returns a loss that is not a scalar": lambda: accum_jax.value_and_grad(
+        lambda w, batch: (batch @ w) ** 2, 2
+    )(W, jnp.ones((4, 3))),
+    "`data_axis` is given and there is no mesh": lambda: _vg(data_axis="data")(
+        W, jnp.ones((16, 3))
+    ),
+    "the mesh has several axes and `data_axis` is not given": lambda: _vg(
+        mesh=_mesh((4, 2), ("data", "model"))
+    )(W, jnp.ones((16, 3))),
+    "`data_axis` is not an axis of the mesh": lambda: _vg(mesh=_mesh(), data_axis="batch")(
+        W, jnp.ones((16, 3))
+    ),
+    "`aux_reduction='stack'`": lambda: _vg(mesh=_mesh(), aux_reduction="stack")(
+        W, jnp.ones((16, 3))
+    ),
+    "`num_microbatches` is among the options": lambda: _plan(num_microbatches=2),
+    "`memory_budget_bytes` is not a positive number": lambda: _plan(memory_budget_bytes=0),
+    "`memory_budget_bytes=None` and the device reports no memory limit (CPU)": lambda: _plan(
+        memory_budget_bytes=None
+    ),
+    "`memory_budget_bytes=None` and the device has no free memory": _plan_on_a_full_device,
+    "the backend gives no memory analysis of compiled programs": _plan_without_memory_analysis,
+    "`batch_argnums` names an argument that was not given to plan with": lambda: (
+        accum_jax.plan_microbatches(_loss, W, memory_budget_bytes=2**30)
+    ),
+    "the batch does not split over the devices of the data axis": lambda: _plan(
+        jnp.ones((12, 3)), mesh=_mesh()
+    ),
+    "`candidates` is not an iterable": lambda: _plan(candidates=3),
+    "`candidates` is empty": lambda: _plan(candidates=[]),
+    "a candidate is not an int >= 1": lambda: _plan(candidates=[0, 2]),
+    "a candidate does not divide the (per-device) batch size": lambda: _plan(candidates=[3]),
+    "no candidate fits the budget": lambda: _plan(memory_budget_bytes=1),
+    "`rtol` or `atol` is negative or not finite": lambda: accum_jax.check_parity(
+        _loss, W, jnp.ones((4, 3)), num_microbatches=2, atol=-1.0
+    ),
+}
+
+
+def check_traced_bad_weights_are_skipped_and_counted() -> None:
+  opt = accum_jax.accumulate(optax.sgd(0.1), every_k=2)
+  params = {"w": W}
+  update = jax.jit(opt.update)
+  _, state = update({"w": W}, opt.init(params), params, weight=jnp.float32(2.0))
+  for skipped, weight in enumerate((-1.0, np.nan, np.inf), start=1):
+    updates, new_state = update({"w": W}, state, params, weight=jnp.float32(weight))
+    assert int(new_state.num_skipped) == skipped
+    assert not bool(accum_jax.has_updated(new_state))
+    np.testing.assert_array_equal(updates["w"], 0.0)
+    # The window holds what it held: one call, of weight 2.
+    assert int(new_state.mini_step) == 1
+    assert float(new_state.accumulator.weight) == 2.0
+    tree_allclose(new_state.acc_grads, {"w": 2.0 * W})
+    state = new_state
+
+
+def check_an_unweighted_call_counts_weight_one() -> None:
+  opt = accum_jax.accumulate(optax.sgd(0.1), every_k=2)
+  params = {"w": W}
+  g1, g2 = {"w": jnp.array([1.0, 2.0, 3.0])}, {"w": jnp.array([5.0, -1.0, 0.0])}
+  for update in (opt.update, jax.jit(opt.update)):
+    _, state = update(g1, opt.init(params), params, weight=jnp.float32(3.0))
+    updates, state = update(g2, state, params)
+    assert bool(accum_jax.has_updated(state))
+    tree_allclose(updates, {"w": -0.1 * (3.0 * g1["w"] + g2["w"]) / 4.0})
+
+
+BEHAVIOURS: dict[str, Callable[[], None]] = {
+    "a traced `weight` is negative, NaN or infinite": (
+        check_traced_bad_weights_are_skipped_and_counted
+    ),
+    "weighted and unweighted calls are mixed in one window": (
+        check_an_unweighted_call_counts_weight_one
+    ),
+}
+
+
+def test_the_readme_table_rows_are_unique_and_cover_the_required_cases():
+  whens = [row.when for row in ROWS]
+  assert len(whens) == len(set(whens)), "two rows have the same 'when'"
+  messages = " ".join(row.message for row in ROWS)
+  for required in (
+      "every_k=0 must be an int >= 1",
+      "num_microbatches=2.0 must be an int >= 1",
+      "does not split into num_microbatches",
+      "different leading (batch) sizes",
+      "differs from the parameters' given to init",
+      "is not a floating dtype",
+      "must be a finite number >= 0",
+      "weight must be a scalar",
+      "which is not a PRNG key",
+      "a call without `weight` counts weight 1",
+      "fits memory_budget_bytes",
+  ):
+    assert required in messages, f"the README's errors table lacks {required!r}"
+
+
+def test_every_trigger_and_check_has_a_row_in_the_readme():
+  whens = {row.when for row in ROWS}
+  assert set(TRIGGERS) - whens == set(), "stale triggers: their rows are gone"
+  assert set(BEHAVIOURS) - whens == set(), "stale checks: their rows are gone"
+
+
+@pytest.mark.parametrize("row", [pytest.param(row, id=row.when) for row in ROWS])
+def test_each_readme_row_is_raised_with_its_message_or_behaves_as_it_says(row: Row):
+  if row.message.startswith(NO_ERROR):
+    assert row.when in BEHAVIOURS, f"no check in BEHAVIOURS for the row {row.when!r}"
+    BEHAVIOURS[row.when]()
+    return
+  assert row.when in TRIGGERS, f"no trigger in TRIGGERS for the row {row.when!r}"
+  with pytest.raises(ValueError) as raised:
+    TRIGGERS[row.when]()
+  assert row.message in str(raised.value)
+
+
+def test_no_fitting_candidate_raises_a_memory_budget_error_with_the_estimates():
+  with pytest.raises(accum_jax.MemoryBudgetError) as raised:
+    _plan(memory_budget_bytes=1)
+  assert raised.value.memory_budget_bytes == 1
+  assert raised.value.estimates and all(e > 1 for e in raised.value.estimates.values())
+
+
+def test_a_concrete_weight_that_is_nan_or_infinite_raises_like_a_negative_one():
+  # Under jit such weights are skipped and counted; a concrete one is refused at the call.
+  for weight, shown in ((float("nan"), "nan"), (float("inf"), "inf"), (-np.inf, "-inf")):
+    with pytest.raises(ValueError, match=re.escape(f"weight={shown} must be a finite number")):
+      _sgd_update({"w": W}, weight=weight)
+
+
+def test_a_loss_that_is_not_a_scalar_gets_the_value_error_of_accum_jax_not_jax_type_error():
+  # accum_jax checks the loss's shape before jax.value_and_grad refuses it with a
+  # TypeError that does not say what to do; under a mesh too.
+  def per_example_loss(w, batch):
+    return (batch @ w) ** 2
+
+  for options in ({}, {"mesh": _mesh()}):
+    with pytest.raises(ValueError, match=re.escape("fun must return a scalar loss")):
+      accum_jax.value_and_grad(per_example_loss, 2, **options)(W, jnp.ones((16, 3)))
