@@ -270,8 +270,8 @@ def value_and_grad(
           )
       return (value, grads), aux, new_state, weight
 
-    i0 = jnp.zeros((), jnp.int32)
-    mb0 = jax.tree.map(lambda x: x[0], batch)
+    i0 = jax.ShapeDtypeStruct((), jnp.int32)
+    mb0 = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), batch)
     state0 = args[state_nums[0]] if state_nums else None
     out_shape, aux_shape, _, _ = jax.eval_shape(call, i0, mb0, state0)
     # Zeros made from the parameters themselves keep their sharding: sharded
@@ -330,7 +330,6 @@ def value_and_grad(
         finish,
         args,
         batch_argnums=batch_nums,
-        differentiated_argnums=diff_nums,
         state_argnums=state_nums,
         mesh=mesh,
         data_axis=data_axis,

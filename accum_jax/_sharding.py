@@ -46,7 +46,6 @@ def data_parallel(
     args: tuple[Any, ...],
     *,
     batch_argnums: tuple[int, ...],
-    differentiated_argnums: tuple[int, ...],
     state_argnums: tuple[int, ...],
     mesh: Any,
     data_axis: str | None,
@@ -54,7 +53,6 @@ def data_parallel(
     stacked_aux: bool,
 ) -> Any:
   """Runs ``local_sums`` on each device's shard, reduces once, ``finish``es."""
-  del differentiated_argnums  # replicated inputs: their local gradients stay local
   mesh, axis = resolve_mesh(mesh, data_axis)
   if stacked_aux:
     raise ValueError(
