@@ -1,13 +1,18 @@
-"""Helpers shared by the benchmarks: timing, compiled cost, sizes, output."""
+"""Helpers shared by the benchmarks: timing, compiled cost, sizes, output, peak memory."""
 
 from __future__ import annotations
 
+import ctypes
+import gc
+import importlib
 import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -121,3 +126,258 @@ def _is_number(x: Any) -> bool:
   except ValueError:
     return False
   return True
+
+
+def time_interleaved(
+    fns: Mapping[str, Callable[[], Any]], *, rounds: int = 5, warmup: int = 1
+) -> dict[str, list[float]]:
+  """Wall-clock seconds of each of ``rounds`` calls of every ``fns[name]()``.
+
+  The functions take turns, one call each per round, and the round starts one
+  function further each time: drift in the machine's speed (other processes,
+  clocks, thermal state) falls on all of them alike instead of on whichever ran
+  last. Each call is blocked on, as in :func:`time_samples`; ``warmup`` untimed
+  calls of each come first.
+  """
+  names = list(fns)
+  for name in names:
+    for _ in range(warmup):
+      jax.block_until_ready(fns[name]())
+  samples: dict[str, list[float]] = {name: [] for name in names}
+  for r in range(rounds):
+    for name in names[r % len(names):] + names[: r % len(names)]:
+      samples[name] += time_samples(fns[name], repeats=1, warmup=0)
+  return samples
+
+
+def quartiles(samples: Sequence[float]) -> tuple[float, float]:
+  """The first and third quartiles of ``samples`` (the value itself for one)."""
+  if len(samples) < 2:
+    return samples[0], samples[0]
+  q = statistics.quantiles(samples, n=4)
+  return q[0], q[2]
+
+
+# Peak memory of one step, measured in a fresh process.
+#
+# What we want is the memory one compiled step needs while it runs (its
+# temporaries and outputs), apart from what the process held before (the
+# Python and XLA runtime, the arguments) and apart from what compiling took.
+#
+# CPU: the kernel keeps the process's resident-set high-water mark (VmHWM in
+# /proc/self/status). After compiling, the worker frees what it can (gc,
+# malloc_trim), resets the mark to the current resident size (writing "5" to
+# /proc/self/clear_refs, Linux >= 4.0), runs the step and reads the mark: the
+# step's growth is VmHWM - VmRSS before the step. This is done twice. The first
+# call also faults in one-time things that are no part of any step's working
+# memory (runtime thread stacks, code pages, lazily built runtime state: about
+# 10 MiB on the CPU here, whatever the model); it is kept as first_call_peak_bytes. The
+# second call, its predecessor's outputs freed, gives step_peak_bytes. glibc is told to serve
+# every allocation of 1 MiB or more with its own mmap (MALLOC_MMAP_THRESHOLD_),
+# so that XLA's buffers come as fresh pages, are counted when touched, and go
+# back to the kernel when freed, instead of reusing heap memory that compiling
+# left resident (which would hide part of the step). Where clear_refs cannot be
+# written, the growth of ru_maxrss over the step is used; it is 0 (and flagged)
+# when the step stays below the compile's own peak.
+#
+# GPU: device.memory_stats() of the XLA allocator, without preallocation:
+# peak_bytes_in_use after the step minus bytes_in_use before it. The peak
+# cannot be reset, so it is flagged as masked when an earlier peak (setting up,
+# autotuning at compile time) is not exceeded by the step.
+#
+# A fresh process per measurement: nothing from another program (caches, heap
+# fragmentation, the allocator's pools) is left to distort the figure.
+
+_PEAK_MARKER = "PEAK_RESULT_JSON:"
+_MMAP_THRESHOLD = 1 << 20
+
+
+def proc_status_bytes(field: str) -> int | None:
+  """A ``kB`` field of ``/proc/self/status`` (``VmRSS``, ``VmHWM``) in bytes."""
+  try:
+    with open("/proc/self/status") as f:
+      for line in f:
+        if line.startswith(field + ":"):
+          return int(line.split()[1]) * 1024
+  except OSError:
+    return None
+  return None
+
+
+def _maxrss_bytes() -> int:
+  import resource
+
+  # Linux reports kilobytes, macOS bytes.
+  scale = 1 if sys.platform == "darwin" else 1024
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+
+
+def _release_free_memory() -> None:
+  gc.collect()
+  try:
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+  except (OSError, AttributeError):
+    pass
+
+
+def _reset_peak_rss() -> bool:
+  try:
+    with open("/proc/self/clear_refs", "w") as f:
+      f.write("5")
+  except OSError:
+    return False
+  return True
+
+
+def run_json_worker(
+    command: Sequence[str], *, env: Mapping[str, str] | None = None, timeout: float = 600
+) -> dict[str, Any]:
+  """Runs ``command`` and returns the JSON on its last ``PEAK_RESULT_JSON:`` line.
+
+  ``env`` is added to this process's environment. A worker that fails raises
+  ``RuntimeError`` with the end of its output.
+  """
+  full_env = {**os.environ, **(env or {})}
+  proc = subprocess.run(
+      list(command), env=full_env, capture_output=True, text=True, timeout=timeout
+  )
+  for line in reversed(proc.stdout.splitlines()):
+    if line.startswith(_PEAK_MARKER):
+      return json.loads(line[len(_PEAK_MARKER):])
+  raise RuntimeError(
+      f"worker {' '.join(command)} returned {proc.returncode} without a result:\n"
+      f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+  )
+
+
+def print_worker_result(result: Mapping[str, Any]) -> None:
+  """What a worker run by :func:`run_json_worker` prints last."""
+  print(_PEAK_MARKER + json.dumps(result, default=_to_json), flush=True)
+
+
+def fresh_process_peak(
+    builder: str, config: Mapping[str, Any], *, timeout: float = 600
+) -> dict[str, Any]:
+  """The memory of one step of a compiled function, measured in a new process.
+
+  Args:
+    builder: ``"module:function"``, a module in ``bench/``. The function is
+      called with ``**config`` in the new process and returns ``(jitted, args)``:
+      the ``jax.jit``-ed step and its arguments, already on the device. Build
+      the arguments with NumPy and ``jax.device_put`` so that setting up leaves
+      no temporaries behind.
+    config: JSON-serialisable keyword arguments for the builder.
+    timeout: seconds before the worker is killed.
+
+  Returns:
+    A dict: ``step_peak_bytes`` (the step's growth; see the comment above this
+    function), ``method`` (how it was measured), ``masked`` (the figure is a
+    lower bound), ``argument_bytes``, ``output_bytes``, ``xla`` (the compiled
+    ``memory_analysis()`` fields), ``compile_seconds``, ``step_seconds``,
+    on CPU ``first_call_peak_bytes`` (the first call's growth, one-time costs
+    included),
+    ``platform`` and the raw readings.
+  """
+  env = {
+      "MALLOC_MMAP_THRESHOLD_": str(_MMAP_THRESHOLD),
+      # A second process sharing a GPU with the first: allocate as needed.
+      "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
+  }
+  command = [sys.executable, __file__, "--peak-worker", builder, json.dumps(dict(config))]
+  return run_json_worker(command, env=env, timeout=timeout)
+
+
+def memory_analysis_dict(compiled: jax.stages.Compiled) -> dict[str, int]:
+  """The byte counts of ``compiled.memory_analysis()`` as a dict ({} if none)."""
+  stats = compiled.memory_analysis()
+  if stats is None:
+    return {}
+  fields = ("argument", "output", "temp", "alias", "generated_code", "host_temp")
+  out = {}
+  for field in fields:
+    value = getattr(stats, f"{field}_size_in_bytes", None)
+    if value is not None:
+      out[f"{field}_bytes"] = int(value)
+  peak = getattr(stats, "peak_memory_in_bytes", None)
+  if peak is not None:
+    out["peak_memory_bytes"] = int(peak)
+  return out
+
+
+def _peak_worker(builder: str, config_json: str) -> None:
+  module_name, function_name = builder.split(":")
+  build = getattr(importlib.import_module(module_name), function_name)
+  jitted, args = build(**json.loads(config_json))
+  jax.block_until_ready(args)
+  device = jax.devices()[0]
+  on_gpu = device.platform == "gpu"
+  result: dict[str, Any] = {
+      "platform": device.platform,
+      "device": str(device),
+      "argument_bytes": tree_nbytes(args),
+  }
+  _release_free_memory()
+  result["rss_after_setup_bytes"] = proc_status_bytes("VmRSS")
+  result["hwm_after_setup_bytes"] = proc_status_bytes("VmHWM")
+
+  start = time.perf_counter()
+  compiled = jitted.lower(*args).compile()
+  result["compile_seconds"] = time.perf_counter() - start
+  result["xla"] = memory_analysis_dict(compiled)
+  result["hwm_after_compile_bytes"] = proc_status_bytes("VmHWM")
+
+  _release_free_memory()
+  if on_gpu:
+    before = device.memory_stats() or {}
+    start = time.perf_counter()
+    out = jax.block_until_ready(compiled(*args))
+    result["step_seconds"] = time.perf_counter() - start
+    after = device.memory_stats() or {}
+    in_use, peak_before = before.get("bytes_in_use"), before.get("peak_bytes_in_use")
+    peak = after.get("peak_bytes_in_use")
+    result.update(
+        method="gpu peak_bytes_in_use - bytes_in_use before the step",
+        bytes_in_use_before=in_use,
+        peak_bytes_in_use_before=peak_before,
+        peak_bytes_in_use_after=peak,
+        bytes_limit=after.get("bytes_limit"),
+    )
+    if in_use is None or peak is None:
+      result.update(step_peak_bytes=None, masked=True)
+    else:
+      result.update(step_peak_bytes=peak - in_use, masked=peak <= (peak_before or 0))
+  else:
+    # Twice: see the comment above fresh_process_peak.
+    for key in ("first_call", "step"):
+      _release_free_memory()
+      reset = _reset_peak_rss()
+      rss_before = proc_status_bytes("VmRSS")
+      maxrss_before = _maxrss_bytes()
+      start = time.perf_counter()
+      out = jax.block_until_ready(compiled(*args))
+      seconds = time.perf_counter() - start
+      hwm, maxrss = proc_status_bytes("VmHWM"), _maxrss_bytes()
+      if reset and rss_before is not None and hwm is not None:
+        method = "VmHWM reset before the step (clear_refs), minus VmRSS before it"
+        peak, masked = hwm - rss_before, False
+      else:
+        method = "ru_maxrss growth over the step (peak could not be reset)"
+        peak, masked = maxrss - maxrss_before, maxrss <= maxrss_before
+      result.update({f"{key}_peak_bytes": peak, f"{key}_seconds": seconds,
+                     f"rss_before_{key}_bytes": rss_before, f"hwm_after_{key}_bytes": hwm})
+      if key == "first_call":
+        first_masked = masked
+        del out
+    if not reset:
+      # ru_maxrss cannot be reset: the second call cannot rise above the first.
+      result.update(step_peak_bytes=result["first_call_peak_bytes"], masked=first_masked)
+    result.update(method=method, masked=result.get("masked", masked))
+  result["output_bytes"] = tree_nbytes(out)
+  print_worker_result(result)
+
+
+if __name__ == "__main__":
+  if len(sys.argv) == 4 and sys.argv[1] == "--peak-worker":
+    _peak_worker(sys.argv[2], sys.argv[3])
+  else:
+    sys.exit("usage: python bench/_common.py --peak-worker module:function CONFIG_JSON")
