@@ -238,6 +238,11 @@ def plan_microbatches(
   already excludes arrays that are on the device, and the estimate counts the
   step's arguments again, which errs on the safe side.
 
+  Accuracy: on a 2-core CPU, for an activation-dominated MLP (``bench/bench_planner.py``),
+  the estimate ran 2 to 11% below the measured peak, a few MiB of scratch memory
+  that the CPU runtime allocates outside XLA's buffer assignment; leave a few MiB
+  of headroom. It has not been measured on a GPU.
+
   Args:
     fun: the loss function, as for :func:`accum_jax.value_and_grad`.
     *args: the step's positional arguments: arrays, or ``jax.ShapeDtypeStruct``
