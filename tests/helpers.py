@@ -213,3 +213,22 @@ INNER_OPTIMIZER_PARAMS = [pytest.param(name, id=name) for name in INNER_OPTIMIZE
 def dtype_id(dtype: Any) -> str:
   """A short test id for a dtype: ``float32``, ``bfloat16``..."""
   return jnp.dtype(dtype).name
+
+
+# A small regression problem for the microbatching tests: a one-hidden-layer
+# tanh MLP with a mean squared error. Data are made with numpy, since every eager
+# jax operation on a new shape is one more compilation.
+
+
+def normal(seed: int, shape: tuple[int, ...], scale: float = 1.0) -> np.ndarray:
+  return (scale * np.random.default_rng(seed).standard_normal(shape)).astype(np.float32)
+
+
+def mlp(params: Any, x: Any) -> jax.Array:
+  h = jnp.tanh(x @ params["w1"] + params["b1"])
+  return (h @ params["w2"] + params["b2"])[..., 0]
+
+
+def mse_loss(params: Any, batch: Any) -> jax.Array:
+  return jnp.mean((mlp(params, batch["x"]) - batch["y"]) ** 2)
+

@@ -14,7 +14,7 @@ import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import tree_allclose
+from helpers import mlp, mse_loss, normal, tree_allclose
 
 import accum_jax
 
@@ -26,10 +26,6 @@ WIDTH = 16
 # Models and losses. Module level, so that the caches below see the same
 # function objects on every call. Data are made with numpy: every eager jax
 # operation on a new shape is one more compilation.
-
-
-def normal(seed, shape, scale=1.0):
-  return (scale * np.random.default_rng(seed).standard_normal(shape)).astype(np.float32)
 
 
 def with_value(array, index, value):
@@ -48,17 +44,8 @@ def make_mlp_params(dtype=np.float32, seed=0):
   }
 
 
-def mlp(params, x):
-  h = jnp.tanh(x @ params["w1"] + params["b1"])
-  return (h @ params["w2"] + params["b2"])[..., 0]
-
-
 def make_batch(batch_size=BATCH_SIZE, seed=10):
   return {"x": normal(seed, (batch_size, IN_FEATURES)), "y": normal(seed + 1, (batch_size,))}
-
-
-def mse_loss(params, batch):
-  return jnp.mean((mlp(params, batch["x"]) - batch["y"]) ** 2)
 
 
 def scaled_loss_with_aux(params, scale, batch):

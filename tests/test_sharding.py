@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import tree_allclose
+from helpers import mlp, mse_loss, normal, tree_allclose
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -33,10 +33,6 @@ def data_mesh():
 # more compilation.
 
 
-def normal(seed, shape, scale=1.0):
-  return (scale * np.random.default_rng(seed).standard_normal(shape)).astype(np.float32)
-
-
 def make_params():
   return {
       "w1": normal(0, (IN_FEATURES, WIDTH), 0.5),
@@ -46,17 +42,8 @@ def make_params():
   }
 
 
-def mlp(params, x):
-  h = jnp.tanh(x @ params["w1"] + params["b1"])
-  return (h @ params["w2"] + params["b2"])[..., 0]
-
-
 def make_batch(batch_size=BATCH_SIZE, seed=10):
   return {"x": normal(seed, (batch_size, IN_FEATURES)), "y": normal(seed + 1, (batch_size,))}
-
-
-def mse_loss(params, batch):
-  return jnp.mean((mlp(params, batch["x"]) - batch["y"]) ** 2)
 
 
 def sequence_loss(params, batch):
