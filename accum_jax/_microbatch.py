@@ -14,6 +14,8 @@ from accum_jax import _core, _sharding
 
 AuxReduction = Literal["mean", "sum", "stack"]
 _AUX_REDUCTIONS = ("mean", "sum", "stack")
+Split = Literal["contiguous", "strided"]
+_SPLITS = ("contiguous", "strided")
 
 
 class MicrobatchInfo(NamedTuple):
@@ -90,8 +92,13 @@ def _check_divisible(batch_size: int, num_microbatches: int, num_shards: int = 1
   )
 
 
-def _split(x: jax.Array, num_microbatches: int) -> jax.Array:
-  return x.reshape(num_microbatches, x.shape[0] // num_microbatches, *x.shape[1:])
+def _split(x: jax.Array, num_microbatches: int, split: Split) -> jax.Array:
+  size = x.shape[0] // num_microbatches
+  if split == "contiguous":  # microbatch i: rows i * size, ..., (i + 1) * size - 1
+    return x.reshape(num_microbatches, size, *x.shape[1:])
+  # microbatch i: rows i, i + N, i + 2N, ...; with the batch sharded over devices,
+  # every microbatch then has rows on every device.
+  return jnp.swapaxes(x.reshape(size, num_microbatches, *x.shape[1:]), 0, 1)
 
 
 def _check_key(key: Any, argnum: int) -> None:
@@ -116,6 +123,7 @@ def value_and_grad(
     rng_argnums: int | Sequence[int] | None = None,
     state_argnums: int | None = None,
     aux_reduction: AuxReduction = "mean",
+    split: Split = "contiguous",
     accumulator_dtype: Any = jnp.float32,
     skip_nonfinite: bool = True,
     mesh: jax.sharding.Mesh | None = None,
@@ -160,6 +168,12 @@ def value_and_grad(
     aux_reduction: ``"mean"`` (default) averages aux leaves like the loss,
       weighted when ``weight_fn`` is given; ``"sum"`` sums them; ``"stack"``
       returns them stacked with a leading ``num_microbatches`` axis.
+    split: which rows make microbatch ``i``: ``"contiguous"`` (default), rows
+      ``i * B/N`` to ``(i + 1) * B/N - 1``; ``"strided"``, rows ``i, i + N, i +
+      2N, ...``. Use ``"strided"`` when the batch is sharded over devices and
+      no ``mesh`` is given (e.g. FSDP): each microbatch then spans all devices,
+      where a contiguous one would sit on a few and be gathered. With ``mesh``
+      each device splits its own shard, so either works.
     accumulator_dtype: the dtype of the running sums (float32 by default; None
       for the gradients' own dtype). Results are cast back.
     skip_nonfinite: skip, and count, a microbatch whose loss or gradient holds
@@ -218,6 +232,11 @@ def value_and_grad(
             f"{a}={roles[a]} and {b}={roles[b]} both name argument(s) {sorted(both)}:"
             " each argument has one role."
         )
+  if split not in _SPLITS:
+    raise ValueError(
+        f"split={split!r} is not one of {_SPLITS}: 'contiguous' makes microbatch i of"
+        " consecutive rows, 'strided' of rows i, i + N, i + 2N, ..."
+    )
   if aux_reduction not in _AUX_REDUCTIONS:
     raise ValueError(
         f"aux_reduction={aux_reduction!r} is not one of {_AUX_REDUCTIONS}."
@@ -245,8 +264,8 @@ def value_and_grad(
 
   def local_sums(args: tuple[Any, ...], shard_index: jax.Array | None):
     """Scans this device's microbatches; returns the un-normalised sums."""
-    batch = {i: jax.tree.map(functools.partial(_split, num_microbatches=num_microbatches),
-                             args[i]) for i in batch_nums}
+    split_leaf = functools.partial(_split, num_microbatches=num_microbatches, split=split)
+    batch = {i: jax.tree.map(split_leaf, args[i]) for i in batch_nums}
 
     def call(i, mb, state):
       call_args = list(args)

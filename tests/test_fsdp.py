@@ -132,3 +132,22 @@ def test_value_and_grad_with_a_mesh_reduces_once_after_the_loop_into_replicated_
   counts = collective_counts(compiled.as_text())
   assert counts.in_loop == 0, counts
   assert counts.outside_loop > 0, counts
+
+
+def test_a_strided_split_keeps_a_sharded_batch_data_parallel_without_a_mesh():
+  # Replicated parameters, batch sharded over 8 devices, no mesh=: with consecutive
+  # rows a microbatch sits on 8 / N devices, so XLA gathers the batch and every device
+  # computes every microbatch; with the strided split each device works on its own rows.
+  mesh = _mesh()
+  batch = jax.device_put(_batch(), NamedSharding(mesh, P("data")))
+  flops = {}
+  for split in ("contiguous", "strided"):
+    vg = accum_jax.value_and_grad(_loss, NUM_DEVICES // 2, split=split)
+    compiled = jax.jit(vg).lower(_params(), batch).compile()
+    value, grads = compiled(_params(), batch)
+    expected_value, expected_grads = jax.value_and_grad(_loss)(_params(), _batch())
+    tree_allclose(value, expected_value)
+    tree_allclose(grads, expected_grads)
+    flops[split] = compiled.cost_analysis()["flops"]
+  assert flops["strided"] * 2 < flops["contiguous"], flops
+

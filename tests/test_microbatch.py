@@ -210,6 +210,20 @@ def test_value_and_grad_equals_the_full_batch_for_every_num_microbatches(num_mic
   tree_allclose(grads, expected_grads)
 
 
+def test_a_strided_split_gives_microbatch_i_the_rows_i_plus_multiples_of_n():
+  def first_row_index(params, batch):
+    return mse_loss(params, batch), batch["row"][0]
+
+  params, batch = make_mlp_params(), make_batch()
+  batch["row"] = np.arange(BATCH_SIZE)
+  vg = microbatched(first_row_index, 4, has_aux=True, aux_reduction="stack", split="strided")
+  (value, rows), grads = vg(params, batch)
+  np.testing.assert_array_equal(rows, np.arange(4))  # microbatch i starts at row i
+  expected_value, expected_grads = reference(mse_loss)(params, batch)
+  tree_allclose(value, expected_value)
+  tree_allclose(grads, expected_grads)
+
+
 def test_tuple_argnums_with_aux_return_the_structure_of_jax_value_and_grad():
   params, scale, batch = make_mlp_params(), jnp.float32(1.5), make_batch()
   options = dict(argnums=(0, 1), batch_argnums=2, has_aux=True)
