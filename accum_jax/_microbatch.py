@@ -87,8 +87,15 @@ def _check_divisible(batch_size: int, num_microbatches: int, num_shards: int = 1
   raise ValueError(
       f"A batch of {batch_size} does not split into num_microbatches={num_microbatches}"
       f"{where}. Pad the batch to a multiple of {parts} with rows that count for"
-      " nothing (give them zero weight through a mask and weight_fn), or choose"
-      f" num_microbatches among {choices}."
+      " nothing (pass pad_batch=True, with a weight_fn that gives rows of zeros zero"
+      f" weight, e.g. through a mask), or choose num_microbatches among {choices}."
+  )
+
+
+def _pad(batch: Any, num_rows: int) -> Any:
+  """``batch`` with ``num_rows`` rows of zeros appended to every leaf."""
+  return jax.tree.map(
+      lambda x: jnp.pad(x, [(0, num_rows)] + [(0, 0)] * (jnp.ndim(x) - 1)), batch
   )
 
 
@@ -124,6 +131,7 @@ def value_and_grad(
     state_argnums: int | None = None,
     aux_reduction: AuxReduction = "mean",
     split: Split = "contiguous",
+    pad_batch: bool = False,
     accumulator_dtype: Any = jnp.float32,
     skip_nonfinite: bool = True,
     mesh: jax.sharding.Mesh | None = None,
@@ -174,6 +182,13 @@ def value_and_grad(
       no ``mesh`` is given (e.g. FSDP): each microbatch then spans all devices,
       where a contiguous one would sit on a few and be gathered. With ``mesh``
       each device splits its own shard, so either works.
+    pad_batch: when the batch does not split into ``num_microbatches`` (times
+      the devices of ``data_axis``), append rows of zeros to every batch leaf
+      until it does, instead of raising. Needs ``weight_fn``, which must give
+      those rows zero weight (as a mask of zeros does), and ``fun`` must let
+      them count for nothing, as a masked mean does: the last, short batch of
+      an epoch then needs no other ``num_microbatches``. The rows do go through
+      the forward pass, so BatchNorm statistics (``state_argnums``) see them.
     accumulator_dtype: the dtype of the running sums (float32 by default; None
       for the gradients' own dtype). Results are cast back.
     skip_nonfinite: skip, and count, a microbatch whose loss or gradient holds
@@ -232,6 +247,12 @@ def value_and_grad(
             f"{a}={roles[a]} and {b}={roles[b]} both name argument(s) {sorted(both)}:"
             " each argument has one role."
         )
+  if pad_batch and weight_fn is None:
+    raise ValueError(
+        "pad_batch=True needs weight_fn: the rows of zeros it appends must count for"
+        " nothing, so pass a weight_fn that gives them zero weight, e.g."
+        " weight_fn=lambda batch: batch['mask'].sum()."
+    )
   if split not in _SPLITS:
     raise ValueError(
         f"split={split!r} is not one of {_SPLITS}: 'contiguous' makes microbatch i of"
@@ -341,8 +362,20 @@ def value_and_grad(
     for n in rng_nums:
       _check_key(args[n], n)
     batch_size = _batch_size({n: args[n] for n in batch_nums})
+    num_shards = 1
+    if data_parallel:
+      resolved_mesh, axis = _sharding.resolve_mesh(mesh, data_axis)
+      if aux_reduction == "stack":
+        raise ValueError(
+            "aux_reduction='stack' is not available with a mesh: per-microbatch aux"
+            " differs between devices. Use 'mean' or 'sum'."
+        )
+      num_shards = resolved_mesh.shape[axis]
+    if padding := -batch_size % (num_microbatches * num_shards):
+      if not pad_batch:
+        _check_divisible(batch_size, num_microbatches, num_shards)
+      args = tuple(_pad(arg, padding) if n in batch_nums else arg for n, arg in enumerate(args))
     if not data_parallel:
-      _check_divisible(batch_size, num_microbatches)
       return finish(*local_sums(args, None))
     return _sharding.data_parallel(
         local_sums,
@@ -350,11 +383,8 @@ def value_and_grad(
         args,
         batch_argnums=batch_nums,
         state_argnums=state_nums,
-        mesh=mesh,
-        data_axis=data_axis,
-        check_divisible=lambda num_shards: _check_divisible(
-            batch_size, num_microbatches, num_shards),
-        stacked_aux=aux_reduction == "stack",
+        mesh=resolved_mesh,
+        axis=axis,
     )
 
   return wrapped

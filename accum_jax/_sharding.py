@@ -48,18 +48,9 @@ def data_parallel(
     batch_argnums: tuple[int, ...],
     state_argnums: tuple[int, ...],
     mesh: Any,
-    data_axis: str | None,
-    check_divisible: Callable[[int], None],
-    stacked_aux: bool,
+    axis: str,
 ) -> Any:
   """Runs ``local_sums`` on each device's shard, reduces once, ``finish``es."""
-  mesh, axis = resolve_mesh(mesh, data_axis)
-  if stacked_aux:
-    raise ValueError(
-        "aux_reduction='stack' is not available with a mesh: per-microbatch aux differs"
-        " between devices. Use 'mean' or 'sum'."
-    )
-  check_divisible(mesh.shape[axis])
   in_specs = tuple(P(axis) if i in batch_argnums else P() for i in range(len(args)))
   if any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
     # Under explicit sharding shard_map takes arguments only as its specs say.

@@ -151,6 +151,7 @@ TRIGGERS: dict[str, Callable[[], object]] = {
     "one argument has two roles (e.g. in `argnums` and `batch_argnums`)": lambda: _vg(argnums=1),
     "`aux_reduction` is unknown": lambda: _vg(aux_reduction="max"),
     "`split` is unknown": lambda: _vg(split="rows"),
+    "`pad_batch=True` without `weight_fn`": lambda: _vg(pad_batch=True),
     "`state_argnums` without `has_aux=True`": lambda: _vg(state_argnums=2),
     "an `argnums`-like option names an argument that was not passed": lambda: _vg(argnums=2)(
         W, jnp.ones((4, 3))

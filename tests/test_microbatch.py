@@ -224,6 +224,28 @@ def test_a_strided_split_gives_microbatch_i_the_rows_i_plus_multiples_of_n():
   tree_allclose(grads, expected_grads)
 
 
+def test_pad_batch_pads_a_batch_that_does_not_split_with_rows_that_count_for_nothing():
+  # 7 rows into 4 microbatches: one row of zeros (weight 0) is appended.
+  params = make_mlp_params()
+  batch = {key: value[:7] for key, value in make_weighted_batch().items()}
+  vg = microbatched(
+      weighted_loss_with_metrics, 4, has_aux=True, weight_fn=row_weight, pad_batch=True,
+      return_info=True,
+  )
+  (value, _), grads, info = vg(params, batch)
+  (expected_value, _), expected_grads = reference(weighted_loss_with_metrics, has_aux=True)(
+      params, batch
+  )
+  tree_allclose(value, expected_value)
+  tree_allclose(grads, expected_grads)
+  assert float(info.total_weight) == float(batch["w"].sum())
+
+
+def test_pad_batch_needs_a_weight_fn():
+  with pytest.raises(ValueError, match=re.escape("pad_batch=True needs weight_fn")):
+    accum_jax.value_and_grad(mse_loss, 4, pad_batch=True)
+
+
 def test_tuple_argnums_with_aux_return_the_structure_of_jax_value_and_grad():
   params, scale, batch = make_mlp_params(), jnp.float32(1.5), make_batch()
   options = dict(argnums=(0, 1), batch_argnums=2, has_aux=True)

@@ -101,6 +101,17 @@ def test_data_parallel_equals_the_single_device_full_batch():
   tree_allclose(grads, expected_grads)
 
 
+def test_pad_batch_pads_to_a_multiple_of_the_devices_times_microbatches():
+  # 8 devices x 2 microbatches need a multiple of 16 rows: 30 get 2 rows of zeros.
+  params = make_params()
+  batch = {key: value[:30] for key, value in make_sequences().items()}
+  vg = data_parallel(sequence_loss, weight_fn=num_tokens, pad_batch=True)
+  value, grads = vg(params, batch)
+  expected_value, expected_grads = reference(sequence_loss)(params, batch)
+  tree_allclose(value, expected_value)
+  tree_allclose(grads, expected_grads)
+
+
 def test_the_ambient_mesh_is_used_when_only_data_axis_is_given():
   params, batch = make_params(), make_batch()
   vg = jax.jit(accum_jax.value_and_grad(mse_loss, NUM_MICROBATCHES, data_axis="data"))
