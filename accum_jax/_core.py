@@ -2,7 +2,7 @@
 
 Both front doors, :func:`accum_jax.accumulate` (across calls) and
 :func:`accum_jax.value_and_grad` (inside one step), keep an :class:`Accumulator`
-and use the three functions below. The algorithm, for microbatch gradients
+and use the functions below (init, add, result, empty). The algorithm, for microbatch gradients
 ``g_i`` with weights ``w_i``::
 
   total, weight = 0, 0                     # total in accumulator_dtype
@@ -12,7 +12,7 @@ and use the three functions below. The algorithm, for microbatch gradients
       continue
     count += 1
     if w > 0:
-      total += w * g                       # computed in accumulator_dtype
+      total += w * g                       # product in float32, sum in accumulator_dtype
       weight += w
   mean = total / weight  (0 where weight == 0), cast back to g's dtype
 
@@ -22,6 +22,7 @@ cannot poison the sum.
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Literal, NamedTuple
 
 import jax
@@ -48,6 +49,17 @@ class Accumulator(NamedTuple):
   weight: jax.Array
   count: jax.Array
   num_skipped: jax.Array
+
+
+def positive_int(value: Any) -> int | None:
+  """``value`` as an int if it is a Python, NumPy or concrete JAX integer >= 1."""
+  if isinstance(value, bool):
+    return None
+  try:
+    number = operator.index(value)
+  except TypeError:
+    return None
+  return number if number >= 1 else None
 
 
 def canonicalize_accumulator_dtype(accumulator_dtype: Any) -> jnp.dtype | None:
@@ -103,7 +115,6 @@ def add(
     weight: jax.typing.ArrayLike | None = None,
     *,
     skip_nonfinite: bool = True,
-    check: Any = None,
     accept: jax.typing.ArrayLike = True,
 ) -> tuple[Accumulator, jax.Array]:
   """Adds ``weight * tree`` to ``acc``, unless it is non-finite.
@@ -115,7 +126,6 @@ def add(
       weight is skipped and counted like a non-finite ``tree``.
     skip_nonfinite: refuse (and count) a ``tree`` holding NaN or Inf. When
       False, it is added as it is.
-    check: the part of ``tree`` whose finiteness decides (default: all of it).
     accept: a further condition (a bool scalar); where False, ``tree`` is
       skipped and counted like a non-finite one.
 
@@ -127,13 +137,16 @@ def add(
   # A negative or non-finite weight is bad data, refused like a NaN gradient.
   ok = jnp.asarray(accept, bool) & jnp.isfinite(w) & (w >= 0)
   if skip_nonfinite:
-    ok = ok & (all_finite(tree if check is None else check) | ~has_weight)
+    ok = ok & (all_finite(tree) | ~has_weight)
   keep = has_weight & ok
   skipped = ~ok
 
   def add_leaf(total, x):
-    # `where`, not a product with `keep`: 0 * NaN is NaN.
-    return jnp.where(keep, total + w.astype(total.dtype) * x.astype(total.dtype), total)
+    # The product in float32 at least: a large weight must not overflow a
+    # float16 accumulator, nor round in a bfloat16 one. `where`, not a product
+    # with `keep`: 0 * NaN is NaN.
+    product = w.astype(jnp.promote_types(total.dtype, jnp.float32)) * x
+    return jnp.where(keep, total + product.astype(total.dtype), total)
 
   return (
       Accumulator(

@@ -43,16 +43,12 @@ def _as_tuple(argnums: int | Sequence[int] | None, name: str) -> tuple[int, ...]
 
 
 def _check_num_microbatches(num_microbatches: Any) -> int:
-  if (
-      isinstance(num_microbatches, bool)
-      or not isinstance(num_microbatches, numbers.Integral)
-      or num_microbatches < 1
-  ):
+  if (n := _core.positive_int(num_microbatches)) is None:
     raise ValueError(
         f"num_microbatches={num_microbatches!r} must be an int >= 1 that divides the"
         " batch size; use 1 for the whole batch at once."
     )
-  return int(num_microbatches)
+  return n
 
 
 def _batch_size(batch_args: dict[int, Any]) -> int:
@@ -81,6 +77,13 @@ def _check_divisible(batch_size: int, num_microbatches: int, num_shards: int = 1
   parts = num_microbatches * num_shards
   if batch_size % parts == 0:
     return
+  if batch_size % num_shards:
+    raise ValueError(
+        f"A batch of {batch_size} does not split over the {num_shards} devices of the"
+        f" data axis. Pad the batch to a multiple of {parts} (num_microbatches="
+        f"{num_microbatches} x {num_shards} devices), e.g. with pad_batch=True and a"
+        " weight_fn that gives rows of zeros zero weight."
+    )
   divisors = [d for d in range(1, batch_size + 1) if batch_size % d == 0 and d % num_shards == 0]
   where = "" if num_shards == 1 else f" on each of {num_shards} devices"
   choices = [d // num_shards for d in divisors]
@@ -90,6 +93,12 @@ def _check_divisible(batch_size: int, num_microbatches: int, num_shards: int = 1
       " nothing (pass pad_batch=True, with a weight_fn that gives rows of zeros zero"
       f" weight, e.g. through a mask), or choose num_microbatches among {choices}."
   )
+
+
+def _fold_in(key: jax.Array, index: jax.Array, shard_index: jax.Array | None) -> jax.Array:
+  """The key of microbatch ``index`` (on device ``shard_index`` under a mesh)."""
+  key = jax.random.fold_in(key, index)
+  return key if shard_index is None else jax.random.fold_in(key, shard_index)
 
 
 def _pad(batch: Any, num_rows: int) -> Any:
@@ -108,14 +117,24 @@ def _split(x: jax.Array, num_microbatches: int, split: Split) -> jax.Array:
   return jnp.swapaxes(x.reshape(size, num_microbatches, *x.shape[1:]), 0, 1)
 
 
-def _check_key(key: Any, argnum: int) -> None:
-  is_typed = hasattr(key, "dtype") and jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
-  is_raw = hasattr(key, "dtype") and key.dtype == jnp.uint32 and jnp.shape(key) == (2,)
-  if not (is_typed and jnp.ndim(key) == 0) and not is_raw:
+def _is_key(x: Any) -> bool:
+  dtype = getattr(x, "dtype", None)
+  if dtype is None:
+    return False
+  if jnp.issubdtype(dtype, jax.dtypes.prng_key):
+    return jnp.ndim(x) == 0
+  return dtype == jnp.uint32 and jnp.shape(x) == (2,)  # a raw key
+
+
+def _check_key(keys: Any, argnum: int) -> None:
+  leaves = jax.tree.leaves(keys)
+  if not leaves or not all(_is_key(leaf) for leaf in leaves):
+    bad = next((leaf for leaf in leaves if not _is_key(leaf)), keys)
     raise ValueError(
-        f"rng_argnums names argument {argnum}, which is not a PRNG key (got"
-        f" {getattr(key, 'dtype', type(key).__name__)} of shape {jnp.shape(key)})."
-        " Pass a single key such as jax.random.key(0), or drop it from rng_argnums."
+        f"rng_argnums names argument {argnum}, which is not a PRNG key or a pytree of"
+        f" them (got {getattr(bad, 'dtype', type(bad).__name__)} of shape"
+        f" {jnp.shape(bad)}). Pass single keys such as jax.random.key(0), or drop it"
+        " from rng_argnums."
     )
 
 
@@ -165,8 +184,9 @@ def value_and_grad(
     weight_fn: called with the batch arguments of one microbatch, returns its
       scalar weight (e.g. ``lambda batch: batch["mask"].sum()``). A zero weight
       makes a microbatch count for nothing, even when its loss is NaN.
-    rng_argnums: argument(s) holding a PRNG key; microbatch ``i`` receives
-      ``jax.random.fold_in(key, i)`` (and, under ``mesh``, the device index
+    rng_argnums: argument(s) holding a PRNG key, or a pytree of keys such as
+      Linen's ``{"dropout": key}``; microbatch ``i`` receives
+      ``jax.random.fold_in(key, i)`` of each (and, under ``mesh``, the device index
       folded in as well), so dropout differs between microbatches.
     state_argnums: an argument threaded through the microbatches in order, e.g.
       Flax BatchNorm ``batch_stats``. ``fun`` must then have ``has_aux=True``
@@ -187,12 +207,17 @@ def value_and_grad(
       until it does, instead of raising. Needs ``weight_fn``, which must give
       those rows zero weight (as a mask of zeros does), and ``fun`` must let
       them count for nothing, as a masked mean does: the last, short batch of
-      an epoch then needs no other ``num_microbatches``. The rows do go through
-      the forward pass, so BatchNorm statistics (``state_argnums``) see them.
+      an epoch then needs no other ``num_microbatches``. In a microbatch that
+      also holds real rows, the padding goes through the forward pass, so
+      BatchNorm statistics (``state_argnums``) see it; a microbatch of padding
+      alone has weight 0 and leaves the state as it was.
     accumulator_dtype: the dtype of the running sums (float32 by default; None
       for the gradients' own dtype). Results are cast back.
     skip_nonfinite: skip, and count, a microbatch whose loss or gradient holds
-      NaN or Inf; the normalisation uses only what was kept.
+      NaN or Inf; the normalisation uses only what was kept. When every
+      microbatch is skipped, the loss and gradients are NaN (as on the whole
+      batch), so a following ``accumulate`` skips the step too. Under ``mesh``
+      each device decides for its own part of a microbatch.
     mesh: a ``jax.sharding.Mesh`` to run data-parallel on: the batch arguments
       are sharded over ``data_axis``, the other arguments replicated, each
       device accumulates its local gradient, and the devices' sums are reduced
@@ -204,7 +229,9 @@ def value_and_grad(
   Returns:
     A function with ``fun``'s signature returning what ``jax.value_and_grad``
     would: ``(value, aux), grads`` or ``value, grads``; with ``return_info``, a
-    :class:`MicrobatchInfo` third.
+    :class:`MicrobatchInfo` third. Keyword arguments reach ``fun`` unsplit and
+    undifferentiated. Call it under ``jax.jit``: eagerly, every call traces and
+    compiles its loop anew.
 
   Raises:
     ValueError: for ``num_microbatches`` < 1, overlapping or out-of-range
@@ -247,6 +274,11 @@ def value_and_grad(
             f"{a}={roles[a]} and {b}={roles[b]} both name argument(s) {sorted(both)}:"
             " each argument has one role."
         )
+  if aux_reduction == "stack" and (mesh is not None or data_axis is not None):
+    raise ValueError(
+        "aux_reduction='stack' is not available with a mesh: per-microbatch aux differs"
+        " between devices. Use 'mean' or 'sum'."
+    )
   if pad_batch and weight_fn is None:
     raise ValueError(
         "pad_batch=True needs weight_fn: the rows of zeros it appends must count for"
@@ -269,8 +301,8 @@ def value_and_grad(
   accumulator_dtype = _core.canonicalize_accumulator_dtype(accumulator_dtype)
   single_argnum = isinstance(argnums, numbers.Integral)
 
-  def value_and_aux(*args):
-    value, aux = fun(*args) if has_aux else (fun(*args), ())
+  def value_and_aux(*args, **kwargs):
+    value, aux = fun(*args, **kwargs) if has_aux else (fun(*args, **kwargs), ())
     if jnp.ndim(value) != 0:
       raise ValueError(
           f"fun must return a scalar loss, got shape {jnp.shape(value)}: reduce it (e.g. with"
@@ -283,7 +315,7 @@ def value_and_grad(
   )
   data_parallel = mesh is not None or data_axis is not None
 
-  def local_sums(args: tuple[Any, ...], shard_index: jax.Array | None):
+  def local_sums(args: tuple[Any, ...], kwargs: dict[str, Any], shard_index: jax.Array | None):
     """Scans this device's microbatches; returns the un-normalised sums."""
     split_leaf = functools.partial(_split, num_microbatches=num_microbatches, split=split)
     batch = {i: jax.tree.map(split_leaf, args[i]) for i in batch_nums}
@@ -293,11 +325,10 @@ def value_and_grad(
       for n in batch_nums:
         call_args[n] = mb[n]
       for n in rng_nums:
-        key = jax.random.fold_in(args[n], i)
-        call_args[n] = key if shard_index is None else jax.random.fold_in(key, shard_index)
+        call_args[n] = jax.tree.map(lambda key: _fold_in(key, i, shard_index), args[n])
       if state_nums:
         call_args[state_nums[0]] = state
-      (value, aux), grads = grad_fun(*call_args)
+      (value, aux), grads = grad_fun(*call_args, **kwargs)
       new_state, aux = aux if state_nums else (None, aux)
       if weight_fn is None:
         weight = None
@@ -318,7 +349,8 @@ def value_and_grad(
     # (FSDP-style) parameters get an accumulator sharded the same way.
     grads_like = args[diff_nums[0]] if single_argnum else tuple(args[n] for n in diff_nums)
     acc0 = _core.init((jnp.zeros((), out_shape[0].dtype), grads_like), accumulator_dtype)
-    aux_acc0 = _core.init(aux_shape, accumulator_dtype)
+    # Aux (metrics, counts) is summed in float32 whatever the gradients use.
+    aux_acc0 = _core.init(aux_shape, jnp.float32)
 
     @functools.partial(jax.named_call, name="accum_jax_microbatch")
     def body(carry, xs):
@@ -340,6 +372,14 @@ def value_and_grad(
   def finish(acc, aux_acc, state, stacked, shapes):
     out_shape, aux_shape = shapes
     value, grads = _core.result(acc, out_shape, "mean")
+    # Every microbatch skipped: NaN, as on the whole batch, rather than a loss of
+    # 0 that hides it (accumulate, apply_if_finite... then skip the step too).
+    nothing_kept = (acc.weight == 0) & (acc.num_skipped > 0)
+    value, grads = jax.tree.map(
+        lambda x: jnp.where(nothing_kept, jnp.nan, x) if jnp.issubdtype(x.dtype, jnp.inexact)
+        else x,
+        (value, grads),
+    )
     if aux_reduction == "stack":
       aux = stacked
     else:
@@ -351,7 +391,8 @@ def value_and_grad(
       return out, grads, MicrobatchInfo(acc.num_skipped, acc.weight)
     return out, grads
 
-  def wrapped(*args):
+  @functools.wraps(fun)
+  def wrapped(*args, **kwargs):
     for role, nums in roles.items():
       for n in nums:
         if n >= len(args):
@@ -365,20 +406,15 @@ def value_and_grad(
     num_shards = 1
     if data_parallel:
       resolved_mesh, axis = _sharding.resolve_mesh(mesh, data_axis)
-      if aux_reduction == "stack":
-        raise ValueError(
-            "aux_reduction='stack' is not available with a mesh: per-microbatch aux"
-            " differs between devices. Use 'mean' or 'sum'."
-        )
       num_shards = resolved_mesh.shape[axis]
     if padding := -batch_size % (num_microbatches * num_shards):
       if not pad_batch:
         _check_divisible(batch_size, num_microbatches, num_shards)
       args = tuple(_pad(arg, padding) if n in batch_nums else arg for n, arg in enumerate(args))
     if not data_parallel:
-      return finish(*local_sums(args, None))
+      return finish(*local_sums(args, kwargs, None))
     return _sharding.data_parallel(
-        local_sums,
+        functools.partial(local_sums, kwargs=kwargs),
         finish,
         args,
         batch_argnums=batch_nums,
@@ -406,8 +442,9 @@ def grad(fun: Callable[..., Any], num_microbatches: int, **kwargs: Any) -> Calla
   vg = value_and_grad(fun, num_microbatches, **kwargs)
   has_aux, return_info = kwargs.get("has_aux", False), kwargs.get("return_info", False)
 
-  def wrapped(*args):
-    out, grads, *info = vg(*args)
+  @functools.wraps(fun)
+  def wrapped(*args, **kwargs):
+    out, grads, *info = vg(*args, **kwargs)
     result = (grads, out[1]) if has_aux else grads
     return (result, *info) if return_info else result
 

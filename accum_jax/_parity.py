@@ -171,7 +171,11 @@ def _weight_fn_code(batch_nums: tuple[int, ...], position: int, path: str) -> st
 
 
 def _mask_candidates(
-    args: tuple[Any, ...], batch_nums: tuple[int, ...], num_parts: int
+    args: tuple[Any, ...],
+    batch_nums: tuple[int, ...],
+    num_microbatches: int,
+    num_shards: int,
+    split: str,
 ) -> list[tuple[int, int, str, list[float]]]:
   """Batch leaves that look like masks and count differently per microbatch.
 
@@ -179,6 +183,7 @@ def _mask_candidates(
   per-microbatch sums)``, leaves named like masks first, then boolean ones, then
   arrays of zeros and ones.
   """
+  num_parts = num_microbatches * num_shards
   found = []
   for position, n in enumerate(batch_nums):
     for index, (path, leaf) in enumerate(jax.tree.leaves_with_path(args[n])):
@@ -197,7 +202,14 @@ def _mask_candidates(
       values = np.asarray(leaf)
       if rank == 2 and not np.isin(values, (0, 1)).all():
         continue
-      sums = values.reshape(num_parts, -1).astype(np.float64).sum(axis=1).tolist()
+      # Each device's rows, split as value_and_grad splits them.
+      rows = values.reshape(values.shape[0], -1).astype(np.float64).sum(axis=1)
+      per_device = rows.reshape(num_shards, -1)
+      if split == "strided":
+        parts = per_device.reshape(num_shards, -1, num_microbatches).sum(axis=1)
+      else:
+        parts = per_device.reshape(num_shards, num_microbatches, -1).sum(axis=2)
+      sums = parts.reshape(-1).tolist()
       if len(set(sums)) > 1:
         found.append((rank, position, index, name, sums))
   found.sort(key=lambda c: c[0])  # stable: in the order of the arguments
@@ -479,7 +491,8 @@ def _mean_of_means_hints(
   hints = []
   num_parts = num_microbatches * num_shards
   where = f" ({num_microbatches} on each of {num_shards} devices)" if num_shards > 1 else ""
-  candidates = _mask_candidates(args, batch_nums, num_parts)
+  split = options.get("split", "contiguous")
+  candidates = _mask_candidates(args, batch_nums, num_microbatches, num_shards, split)
   for position, index, path, sums in candidates[:_MAX_WEIGHT_TRIALS]:
 
     def mask_weight(*batches, position=position, index=index):

@@ -57,7 +57,7 @@ def data_parallel(
     args = jax.reshard(args, tuple(NamedSharding(mesh, spec) for spec in in_specs))
 
   def per_device(*local_args):
-    acc, aux_acc, state, _, shapes = local_sums(local_args, jax.lax.axis_index(axis))
+    acc, aux_acc, state, _, shapes = local_sums(local_args, shard_index=jax.lax.axis_index(axis))
     # The one cross-device reduction of the call.
     acc, aux_acc = jax.lax.psum((acc, aux_acc), axis)
     if state_argnums:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import numbers
-import operator
 from collections.abc import Mapping
 from typing import Any, NamedTuple, Protocol
 
@@ -62,19 +61,16 @@ class AccumulationState(NamedTuple):
 
   @property
   def num_skipped(self) -> jax.Array:
-    """Calls skipped because their gradient was not finite; int32 scalar."""
+    """Calls skipped so far: a gradient that was not finite, a traced weight that
+    was negative or not finite, or a call a skip function rejected; int32 scalar."""
     return self.accumulator.num_skipped
 
 
 def _check_every_k(every_k: Any, name: str) -> EveryKSchedule:
   if callable(every_k):
     return every_k
-  try:
-    # operator.index accepts Python, NumPy and concrete JAX integers only.
-    k = None if isinstance(every_k, bool) else operator.index(every_k)
-  except TypeError:
-    k = None
-  if k is None or k < 1:
+  k = _core.positive_int(every_k)
+  if k is None:
     raise ValueError(
         f"{name}={every_k!r} must be an int >= 1 (the number of calls per"
         " update) or a callable from the optimizer step to that number; use"
@@ -125,6 +121,21 @@ def _cast_like(new: Any, old: Any) -> Any:
   )
 
 
+def _zeros(like: jax.ShapeDtypeStruct) -> jax.Array:
+  # Under explicit sharding an array's type includes its sharding: the zeros
+  # must carry the one the emitting branch's update has.
+  sharding = like.sharding if isinstance(like.sharding, jax.sharding.NamedSharding) else None
+  return jnp.zeros(like.shape, like.dtype, out_sharding=sharding)
+
+
+def _check_flush(flush: Any) -> None:
+  if jnp.ndim(flush) != 0:
+    raise ValueError(
+        f"flush must be a scalar bool (True on the last call of an epoch), got an array"
+        f" of shape {jnp.shape(flush)}."
+    )
+
+
 def _no_skip(updates: Any, gradient_step: jax.Array, params: Any):
   del updates, gradient_step, params
   return jnp.array(False), ()
@@ -134,7 +145,7 @@ def _accumulate(
     inner: optax.GradientTransformation,
     every_k: int | EveryKSchedule,
     *,
-    reduction: str = "mean",
+    reduction: _core.Reduction = "mean",
     accumulator_dtype: Any = jnp.float32,
     skip_nonfinite: bool = True,
     should_skip_update_fn: ShouldSkipUpdateFunction | None = None,
@@ -165,6 +176,7 @@ def _accumulate(
   def update_fn(updates, state, params=None, *, weight=None, flush=False, **extra_args):
     _check_tree_matches(updates, state.accumulator.total)
     _check_weight(weight)
+    _check_flush(flush)
     should_skip, skip_state = skip_fn(updates, state.optimizer_step, params)
     accumulator, _ = _core.add(
         state.accumulator,
@@ -177,20 +189,22 @@ def _accumulate(
     window_done = (accumulator.count >= every) | jnp.asarray(flush, bool)
     apply = window_done & (accumulator.weight > 0)
 
-    def inner_update(inner_state):
-      grads = _core.result(accumulator, updates, reduction)
+    def inner_update(inner_state, window):
+      grads = _core.result(window, updates, reduction)
       return inner.update(grads, inner_state, params, **extra_args)
 
-    update_shapes, _ = jax.eval_shape(inner_update, state.inner_opt_state)
+    # The shapes, dtypes and shardings of the inner update, for the zeros of
+    # the other branch (an abstract trace; nothing is computed).
+    update_shapes, _ = jax.eval_shape(inner_update, state.inner_opt_state, accumulator)
 
     # Both branches hand the window through, so emptying it costs nothing on
     # the calls that only accumulate.
     def emit(inner_state, window):
-      new_updates, new_inner_state = inner_update(inner_state)
+      new_updates, new_inner_state = inner_update(inner_state, window)
       return new_updates, _cast_like(new_inner_state, inner_state), _core.empty(window)
 
     def hold(inner_state, window):
-      zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), update_shapes)
+      zeros = jax.tree.map(_zeros, update_shapes)
       return zeros, inner_state, window
 
     # A conditional, not a select: the inner update is not computed at all on
@@ -219,7 +233,7 @@ def accumulate(
     inner: optax.GradientTransformation,
     every_k: int | EveryKSchedule,
     *,
-    reduction: str = "mean",
+    reduction: _core.Reduction = "mean",
     accumulator_dtype: Any = jnp.float32,
     skip_nonfinite: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
@@ -256,7 +270,8 @@ def accumulate(
       dtype.
     skip_nonfinite: skip (and count in ``state.num_skipped``) a call whose
       gradient holds NaN or Inf; its update is zeros and nothing accumulated
-      is lost.
+      is lost. A window that ends with zero total weight (all its calls had
+      weight 0) applies nothing and is counted in ``state.num_empty_windows``.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``. Its ``update(grads, state,
@@ -264,6 +279,7 @@ def accumulate(
     ``weight`` for this call's gradient, and ``flush`` (a Python or traced bool)
     to update now with what the window holds, normalised by what it holds: the
     last, partial window of an epoch. Other keyword arguments reach ``inner``.
+    Call it under ``jax.jit``: eagerly, every call traces and compiles anew.
 
   Raises:
     ValueError: for ``every_k`` < 1, an unknown ``reduction``, a non-float
@@ -344,27 +360,59 @@ def _find_state(state: Any, caller: str) -> AccumulationState:
         " Pass the optimizer state that accumulate(...).init returned, or one"
         " that holds it (an optax.chain state, a Flax TrainState, an nnx.Optimizer)."
     )
+  if len(found) > 1:
+    raise ValueError(
+        f"{caller} found {len(found)} accum_jax.accumulate states in"
+        f" {type(state).__name__}, and cannot tell which one you mean. Pass that one"
+        " (e.g. one branch of an optax.multi_transform state)."
+    )
   return found[0]
 
 
 def has_updated(state: Any) -> jax.Array:
-  """Whether the last ``update`` applied the inner optimizer (bool scalar).
+  """Whether the last ``update`` applied the inner optimizer.
 
   Args:
     state: the state of :func:`accumulate` or :class:`accum_jax.MultiSteps`,
-      or any pytree holding it (an ``optax.chain`` state, a Flax ``TrainState``
-      or its ``opt_state``, an ``nnx.Optimizer`` or its ``opt_state``); the
-      first one found is read.
+      or any pytree holding exactly one (an ``optax.chain`` state, a Flax
+      ``TrainState`` or its ``opt_state``, an ``nnx.Optimizer`` or its
+      ``opt_state``).
+
+  Returns:
+    A bool scalar; jit-friendly.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, accum_jax
+    >>> opt = optax.chain(optax.clip(1.0), accum_jax.accumulate(optax.sgd(0.1), every_k=2))
+    >>> state = opt.init({"w": jnp.zeros(2)})
+    >>> _, state = opt.update({"w": jnp.ones(2)}, state)
+    >>> bool(accum_jax.has_updated(state))
+    False
   """
   # asarray unwraps array-likes such as the nnx.Variables of an nnx.Optimizer.
   return jnp.asarray(_find_state(state, "has_updated").last_updated)
 
 
 def optimizer_step(state: Any) -> jax.Array:
-  """The number of updates the inner optimizer has applied (int32 scalar).
+  """The number of updates the inner optimizer has applied.
 
   Unlike Flax's ``TrainState.step`` and ``nnx.Optimizer.step``, which count
-  calls, this counts real optimizer updates. ``state`` is read as by
-  :func:`has_updated`.
+  calls, this counts real optimizer updates: what the inner optimizer's own
+  schedules see.
+
+  Args:
+    state: as for :func:`has_updated`.
+
+  Returns:
+    An int32 scalar; jit-friendly.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, accum_jax
+    >>> opt = accum_jax.accumulate(optax.sgd(0.1), every_k=2)
+    >>> state = opt.init({"w": jnp.zeros(2)})
+    >>> for _ in range(5):
+    ...   _, state = opt.update({"w": jnp.ones(2)}, state)
+    >>> int(accum_jax.optimizer_step(state)), int(state.mini_step)
+    (2, 1)
   """
   return jnp.asarray(_find_state(state, "optimizer_step").optimizer_step)

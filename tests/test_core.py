@@ -154,3 +154,24 @@ def test_canonicalize_accumulator_dtype():
 def test_canonicalize_accumulator_dtype_errors(accumulator_dtype, message):
   with pytest.raises(ValueError, match=re.escape(message)):
     _core.canonicalize_accumulator_dtype(accumulator_dtype)
+
+
+def test_a_large_weight_does_not_overflow_a_float16_accumulator_through_the_product():
+  # 20 * 4096 = 81920 overflows float16 (max 65504) when multiplied there; the sum
+  # divided by the weight does not.
+  acc = _core.init({"w": jnp.zeros(2, jnp.float16)}, None)
+  acc, kept = _core.add(acc, {"w": jnp.full(2, 2.0, jnp.float16)}, 4096.0)
+  assert bool(kept)
+  assert acc.total["w"].dtype == jnp.float16
+  np.testing.assert_array_equal(np.asarray(acc.total["w"], np.float32), [8192.0, 8192.0])
+  acc = _core.init({"w": jnp.zeros(2, jnp.float16)}, jnp.float32)
+  acc, _ = _core.add(acc, {"w": jnp.full(2, 20.0, jnp.float16)}, 4096.0)
+  np.testing.assert_array_equal(_core.result(acc, {"w": jnp.zeros(2, jnp.float16)})["w"], 20.0)
+
+
+def test_positive_int_takes_python_numpy_and_concrete_jax_integers_only():
+  for value in (3, np.int64(3), jnp.int32(3)):
+    assert _core.positive_int(value) == 3
+  for value in (0, -1, 2.0, True, jnp.float32(2), "2"):
+    assert _core.positive_int(value) is None
+

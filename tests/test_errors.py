@@ -142,6 +142,12 @@ TRIGGERS: dict[str, Callable[[], object]] = {
     "the state holds no `accumulate` state": lambda: accum_jax.has_updated(
         optax.sgd(1.0).init(W)
     ),
+    "the state holds several `accumulate` states": lambda: accum_jax.optimizer_step(
+        [accum_jax.accumulate(optax.sgd(1.0), 2).init(W)] * 2
+    ),
+    "`flush` is not a scalar": lambda: accum_jax.accumulate(optax.sgd(1.0), 2).update(
+        W, accum_jax.accumulate(optax.sgd(1.0), 2).init(W), flush=jnp.array([True, False])
+    ),
     "`num_microbatches` is below 1": lambda: _vg(0),
     "`num_microbatches` is not an int": lambda: accum_jax.grad(_loss, 2.0),
     "an `argnums`-like option is negative or not an int": lambda: _vg(batch_argnums=-1),
@@ -183,8 +189,9 @@ TRIGGERS: dict[str, Callable[[], object]] = {
     "`data_axis` is not an axis of the mesh": lambda: _vg(mesh=_mesh(), data_axis="batch")(
         W, jnp.ones((16, 3))
     ),
-    "`aux_reduction='stack'`": lambda: _vg(mesh=_mesh(), aux_reduction="stack")(
-        W, jnp.ones((16, 3))
+    "`aux_reduction='stack'`": lambda: _vg(mesh=_mesh(), aux_reduction="stack"),
+    "the batch does not split over the devices of `data_axis`": lambda: _vg(2, mesh=_mesh())(
+        W, jnp.ones((12, 3))
     ),
     "`num_microbatches` is among the options": lambda: _plan(num_microbatches=2),
     "`memory_budget_bytes` is not a positive number": lambda: _plan(memory_budget_bytes=0),
@@ -261,7 +268,7 @@ def test_the_readme_table_rows_are_unique_and_cover_the_required_cases():
       "is not a floating dtype",
       "must be a finite number >= 0",
       "weight must be a scalar",
-      "which is not a PRNG key",
+      "which is not a PRNG key or a pytree of them",
       "a call without `weight` counts weight 1",
       "fits memory_budget_bytes",
   ):

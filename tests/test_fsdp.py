@@ -151,3 +151,19 @@ def test_a_strided_split_keeps_a_sharded_batch_data_parallel_without_a_mesh():
     flops[split] = compiled.cost_analysis()["flops"]
   assert flops["strided"] * 2 < flops["contiguous"], flops
 
+
+def test_accumulate_works_under_an_explicit_sharding_mesh_and_compiles_once():
+  # Under explicit sharding an array's type carries its sharding, so the zeros of a
+  # call that only accumulates must carry the sharding of the update they stand for.
+  mesh = jax.make_mesh((NUM_DEVICES,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+  params = jax.device_put(_params(), jax.tree.map(lambda x: _fsdp_sharding(mesh, x), _params()))
+  opt = accum_jax.accumulate(optax.adam(1e-2), every_k=2)
+  with jax.set_mesh(mesh):
+    state = jax.jit(opt.init)(params)
+    update = jax.jit(opt.update)
+    for _ in range(3):
+      updates, state = update(params, state, params)
+  assert update._cache_size() == 1
+  _assert_sharded_like(updates, params)
+  _assert_sharded_like(state.acc_grads, params)
+

@@ -13,6 +13,7 @@ import jax
 import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from helpers import mlp, mse_loss, normal, tree_allclose
 
@@ -246,6 +247,25 @@ def test_pad_batch_needs_a_weight_fn():
     accum_jax.value_and_grad(mse_loss, 4, pad_batch=True)
 
 
+def test_keyword_arguments_reach_fun_unsplit_and_undifferentiated():
+  def scaled_loss(params, batch, *, scale):
+    return scale * mse_loss(params, batch)
+
+  params, batch = make_mlp_params(), make_batch()
+  vg = jax.jit(accum_jax.value_and_grad(scaled_loss, 4))
+  value, grads = vg(params, batch, scale=jnp.float32(3.0))
+  expected_value, expected_grads = jax.value_and_grad(scaled_loss)(params, batch, scale=3.0)
+  tree_allclose(value, expected_value)
+  tree_allclose(grads, expected_grads)
+
+
+def test_num_microbatches_may_be_a_numpy_or_concrete_jax_integer():
+  params, batch = make_mlp_params(), make_batch()
+  for n in (np.int64(4), jnp.int32(4)):
+    value, _ = accum_jax.value_and_grad(mse_loss, n)(params, batch)
+    tree_allclose(value, reference(mse_loss)(params, batch)[0])
+
+
 def test_tuple_argnums_with_aux_return_the_structure_of_jax_value_and_grad():
   params, scale, batch = make_mlp_params(), jnp.float32(1.5), make_batch()
   options = dict(argnums=(0, 1), batch_argnums=2, has_aux=True)
@@ -421,6 +441,26 @@ def test_microbatch_i_uses_fold_in_of_the_key_with_i(key_kind):
   np.testing.assert_array_equal(masks, expected_masks)
   tree_allclose(value, expected_value)
   tree_allclose(grads, expected_grads)
+
+
+def test_a_pytree_of_keys_gets_each_key_folded_with_the_microbatch_index():
+  # Linen's rngs={"dropout": key, ...}: every key of the dict is folded in.
+  def two_key_loss(params, batch, rngs):
+    return dropout_loss(params, batch, rngs["dropout"])[0], (
+        jax.random.uniform(rngs["noise"], ()),
+    )
+
+  params, batch = make_mlp_params(), make_batch()
+  rngs = {"dropout": jax.random.key(3), "noise": jax.random.key(4)}
+  vg = microbatched(
+      two_key_loss, 4, batch_argnums=1, rng_argnums=2, has_aux=True, aux_reduction="stack"
+  )
+  (value, (noise,)), grads = vg(params, batch, rngs)
+  expected_value, _, expected_grads = dropout_reference(params, batch, rngs["dropout"], 4)
+  tree_allclose(value, expected_value)
+  tree_allclose(grads, expected_grads)
+  expected_noise = [jax.random.uniform(jax.random.fold_in(rngs["noise"], i), ()) for i in range(4)]
+  tree_allclose(noise, np.stack(expected_noise))
 
 
 def test_dropout_masks_differ_between_microbatches_and_repeat_across_calls():
@@ -618,6 +658,20 @@ def test_weighted_nonfinite_microbatches_are_left_out_of_the_weighted_mean():
   assert float(info.total_weight) == float(batch["mask"][np.asarray(kept)].sum())
   tree_allclose(value, expected_value)
   tree_allclose(grads, expected_grads)
+
+
+def test_when_every_microbatch_is_skipped_the_loss_and_gradients_are_nan():
+  params, batch = make_mlp_params(), make_batch()
+  batch["x"] = np.full_like(batch["x"], np.nan)
+  value, grads, info = microbatched(mse_loss, 4, return_info=True)(params, batch)
+  assert np.isnan(value) and all(np.isnan(g).all() for g in jax.tree.leaves(grads))
+  assert int(info.num_skipped) == 4 and float(info.total_weight) == 0.0
+  # So accumulate skips the step as well, and counts it.
+  opt = accum_jax.accumulate(optax.sgd(1.0), every_k=2)
+  state = opt.init(params)
+  updates, state = jax.jit(opt.update)(grads, state, params)
+  assert int(state.num_skipped) == 1 and int(state.mini_step) == 0
+  tree_allclose(updates, jax.tree.map(np.zeros_like, params))
 
 
 def test_with_skip_nonfinite_false_a_nan_microbatch_poisons_the_result():

@@ -112,6 +112,14 @@ def test_a_mean_of_means_over_masked_tokens_fails_and_the_hint_gives_the_weight_
   assert "Pass weight_fn=lambda batch: batch['mask'].sum() (checked: it restores parity)" in hint
 
 
+def test_the_mask_counts_follow_a_strided_split():
+  # Microbatch i holds rows i and i + 4: lengths 5+2, 1+5, 4+3, 4+1.
+  report = check(token_mean_loss, make_params(), make_batch(), split="strided")
+  assert not report.ok
+  assert "it sums to 7, 6, 7, 5 in the 4 microbatches" in report.hints[0]
+  assert "(checked: it restores parity)" in report.hints[0]
+
+
 def test_the_weight_fn_from_the_hint_restores_parity():
   report = check(token_mean_loss, make_params(), make_batch(),
                  weight_fn=lambda batch: batch["mask"].sum())
