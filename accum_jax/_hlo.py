@@ -14,7 +14,7 @@ _CALLED = re.compile(
     r"(?:body|condition|to_apply|calls|branch_computations|called_computations)="
     r"\{?(%[\w.\-]+(?:,\s*%[\w.\-]+)*)\}?"
 )
-_REDUCTIONS = ("all-reduce(", "all-reduce-start(", "reduce-scatter(", "all-gather(",
+_COLLECTIVES = ("all-reduce(", "all-reduce-start(", "reduce-scatter(", "all-gather(",
                "all-gather-start(")
 
 
@@ -76,6 +76,6 @@ def collective_counts(hlo_text: str) -> CollectiveCounts:
     todo.extend(_called(comps[name]))
 
   def count(names):
-    return sum(line.count(op) for n in names for line in comps[n] for op in _REDUCTIONS)
+    return sum(line.count(op) for n in names for line in comps[n] for op in _COLLECTIVES)
 
   return CollectiveCounts(count(in_loop), count(set(comps) - in_loop))

@@ -64,9 +64,11 @@ class MultiSteps:
 
   @property
   def inner_opt(self) -> optax.GradientTransformationExtraArgs:
+    """The wrapped optimizer, with extra-argument support."""
     return self._opt
 
   def init(self, params: Any) -> _transform.AccumulationState:
+    """The initial state: an empty window and the inner optimizer's state."""
     return self._transform.init(params)
 
   def update(
@@ -76,10 +78,17 @@ class MultiSteps:
       params: Any = None,
       **extra_args: Any,
   ) -> tuple[Any, _transform.AccumulationState]:
+    """Accumulates ``updates``; on the last mini-step of a window, updates.
+
+    Takes ``weight=`` and ``flush=`` as :func:`accum_jax.accumulate` does; other
+    keyword arguments reach the inner optimizer.
+    """
     return self._transform.update(updates, state, params, **extra_args)
 
   def has_updated(self, state: Any) -> jax.Array:
+    """Whether the last ``update`` applied the inner optimizer (bool scalar)."""
     return _transform.has_updated(state)
 
   def gradient_transformation(self) -> optax.GradientTransformationExtraArgs:
+    """This optimizer as an Optax transformation (what ``init``/``update`` call)."""
     return self._transform
