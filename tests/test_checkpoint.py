@@ -22,13 +22,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
-from flax.training import train_state
+from linen_model import Net, TrainState
 
 import accum_jax
 import accum_jax.flax
@@ -39,19 +38,6 @@ MICROBATCH_SIZE = 8
 # Calls made in all, and after how many the checkpoint is saved.
 TOTAL_CALLS = {"accumulate": 2 * EVERY_K, "value_and_grad": 4}
 CHECKPOINT_AFTER = {"accumulate": EVERY_K // 2, "value_and_grad": 2}
-
-
-class Net(nn.Module):
-  @nn.compact
-  def __call__(self, x, train: bool):
-    x = nn.Dense(8)(x)
-    x = nn.BatchNorm(use_running_average=not train, momentum=0.9)(x)
-    x = nn.Dropout(0.25, deterministic=not train)(nn.relu(x))
-    return nn.Dense(3)(x)
-
-
-class TrainState(train_state.TrainState):
-  batch_stats: Any
 
 
 # Built once: a TrainState's apply_fn and tx are static, and new ones would recompile.

@@ -11,7 +11,6 @@ import subprocess
 import sys
 from typing import Any
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,6 +19,8 @@ import pytest
 from flax import nnx
 from flax.training import train_state
 from helpers import make_params, microbatch_grads, tree_allclose, tree_weighted_mean
+from linen_model import Net as LinenNet
+from linen_model import TrainState as LinenState
 
 import accum_jax
 import accum_jax.flax
@@ -49,19 +50,6 @@ def test_import_accum_jax_does_not_import_flax():
 
 # ---------------------------------------------------------------------------
 # Linen: the inside-one-step door, with BatchNorm and dropout.
-
-
-class LinenNet(nn.Module):
-  @nn.compact
-  def __call__(self, x, train: bool):
-    x = nn.Dense(8)(x)
-    x = nn.BatchNorm(use_running_average=not train, momentum=0.9)(x)
-    x = nn.Dropout(0.25, deterministic=not train)(nn.relu(x))
-    return nn.Dense(3)(x)
-
-
-class LinenState(train_state.TrainState):
-  batch_stats: Any
 
 
 def _linen_state(tx: optax.GradientTransformation) -> LinenState:
