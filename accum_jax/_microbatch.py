@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 import numbers
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple
@@ -73,6 +74,12 @@ def _batch_size(batch_args: dict[int, Any]) -> int:
   return next(iter(sizes.values()))
 
 
+def divisors(n: int) -> list[int]:
+  """The divisors of ``n``, ascending: the numbers of microbatches a batch of n allows."""
+  small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+  return sorted({*small, *(n // d for d in small)})
+
+
 def _check_divisible(batch_size: int, num_microbatches: int, num_shards: int = 1) -> None:
   parts = num_microbatches * num_shards
   if batch_size % parts == 0:
@@ -84,9 +91,8 @@ def _check_divisible(batch_size: int, num_microbatches: int, num_shards: int = 1
         f"{num_microbatches} x {num_shards} devices), e.g. with pad_batch=True and a"
         " weight_fn that gives rows of zeros zero weight."
     )
-  divisors = [d for d in range(1, batch_size + 1) if batch_size % d == 0 and d % num_shards == 0]
   where = "" if num_shards == 1 else f" on each of {num_shards} devices"
-  choices = [d // num_shards for d in divisors]
+  choices = divisors(batch_size // num_shards)
   raise ValueError(
       f"A batch of {batch_size} does not split into num_microbatches={num_microbatches}"
       f"{where}. Pad the batch to a multiple of {parts} with rows that count for"

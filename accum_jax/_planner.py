@@ -179,13 +179,8 @@ def _local_batch_size(args: tuple[Any, ...], options: Mapping[str, Any]) -> tupl
   return batch_size // num_shards, num_shards
 
 
-def _divisors(n: int) -> list[int]:
-  small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
-  return sorted({*small, *(n // d for d in small)})
-
-
 def _check_candidates(candidates: Iterable[Any] | None, local_batch: int) -> list[int]:
-  divisors = _divisors(local_batch)
+  divisors = _microbatch.divisors(local_batch)
   if candidates is None:
     return divisors
   try:
