@@ -3,6 +3,7 @@
 from typing import Any
 
 import flax.linen as nn
+import optax
 from flax.training import train_state
 
 
@@ -19,3 +20,21 @@ class TrainState(train_state.TrainState):
   """A TrainState that also holds BatchNorm's statistics."""
 
   batch_stats: Any
+
+
+# Built once: a TrainState's apply_fn is static, and a new one would recompile.
+NET = Net()
+
+
+def loss_fn(params, batch_stats, batch, key):
+  """Cross-entropy in training mode; returns ``(loss, (new_batch_stats, ()))``."""
+  logits, updates = NET.apply(
+      {"params": params, "batch_stats": batch_stats},
+      batch["x"],
+      train=True,
+      rngs={"dropout": key},
+      mutable=["batch_stats"],
+  )
+  loss = optax.losses.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+  return loss, (updates["batch_stats"], ())
+

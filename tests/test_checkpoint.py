@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
-from linen_model import Net, TrainState
+from linen_model import NET, TrainState, loss_fn
 
 import accum_jax
 import accum_jax.flax
@@ -40,8 +40,7 @@ TOTAL_CALLS = {"accumulate": 2 * EVERY_K, "value_and_grad": 4}
 CHECKPOINT_AFTER = {"accumulate": EVERY_K // 2, "value_and_grad": 2}
 
 
-# Built once: a TrainState's apply_fn and tx are static, and new ones would recompile.
-NET = Net()
+# Built once: a TrainState's tx is static, and a new one would recompile.
 OPTIMIZERS = {
     "accumulate": accum_jax.accumulate(optax.adam(1e-2), every_k=EVERY_K),
     "value_and_grad": optax.adam(1e-2),
@@ -66,18 +65,6 @@ def batch_for(door: str, call: int) -> dict[str, np.ndarray]:
       "x": rng.standard_normal((size, 5)).astype(np.float32),
       "y": rng.integers(0, 3, size).astype(np.int32),
   }
-
-
-def loss_fn(params, batch_stats, batch, key):
-  logits, updates = NET.apply(
-      {"params": params, "batch_stats": batch_stats},
-      batch["x"],
-      train=True,
-      rngs={"dropout": key},
-      mutable=["batch_stats"],
-  )
-  loss = optax.losses.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
-  return loss, (updates["batch_stats"], ())
 
 
 @functools.partial(jax.jit, static_argnames="door")

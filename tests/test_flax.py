@@ -21,6 +21,7 @@ from flax.training import train_state
 from helpers import make_params, microbatch_grads, tree_allclose, tree_weighted_mean
 from linen_model import Net as LinenNet
 from linen_model import TrainState as LinenState
+from linen_model import loss_fn as linen_loss
 
 import accum_jax
 import accum_jax.flax
@@ -62,22 +63,10 @@ def _linen_state(tx: optax.GradientTransformation) -> LinenState:
   )
 
 
-def _linen_loss(params, batch_stats, batch, key):
-  logits, updates = LinenNet().apply(
-      {"params": params, "batch_stats": batch_stats},
-      batch["x"],
-      train=True,
-      rngs={"dropout": key},
-      mutable=["batch_stats"],
-  )
-  loss = optax.losses.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
-  return loss, (updates["batch_stats"], ())
-
-
 @jax.jit
 def _linen_accum_step(state, batch, key):
   vg = accum_jax.value_and_grad(
-      _linen_loss,
+      linen_loss,
       NUM_MICROBATCHES,
       batch_argnums=2,
       state_argnums=1,
@@ -93,7 +82,7 @@ def _linen_sequential_step(state, batch, key):
   """The reference: NUM_MICROBATCHES forward/backward passes written out."""
   batch_stats, losses, grads = state.batch_stats, [], []
   for i in range(NUM_MICROBATCHES):
-    (loss, (batch_stats, _)), g = jax.value_and_grad(_linen_loss, has_aux=True)(
+    (loss, (batch_stats, _)), g = jax.value_and_grad(linen_loss, has_aux=True)(
         state.params, batch_stats, _microbatch(batch, i), jax.random.fold_in(key, i)
     )
     losses.append(loss)
