@@ -65,7 +65,7 @@ from _common import (
 )
 
 import accum_jax
-from accum_jax._hlo import collective_counts
+from accum_jax.testing import collective_counts
 
 FULL = "full batch"
 SCAN = "lax.scan"

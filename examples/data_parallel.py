@@ -44,7 +44,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from sklearn.datasets import load_digits  # noqa: E402
 
 import accum_jax  # noqa: E402
-from accum_jax._hlo import collective_counts  # noqa: E402  (the tests' HLO reader)
+from accum_jax.testing import collective_counts  # noqa: E402
 
 PER_DEVICE_BATCH = 64  # examples per device per step
 HIDDEN = 256

@@ -58,7 +58,7 @@ def main(port: int, process_id: int, num_processes: int) -> None:
   from jax.sharding import PartitionSpec as P
 
   import accum_jax
-  from accum_jax._hlo import collective_counts
+  from accum_jax.testing import collective_counts
 
   mesh = jax.make_mesh((jax.device_count(),), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
   params, batch = problem()

@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import accum_jax
-from accum_jax._hlo import collective_counts
+from accum_jax.testing import collective_counts
 
 NUM_DEVICES = 8
 NUM_MICROBATCHES = 2
