@@ -2,19 +2,32 @@
 
 Both front doors, :func:`accum_jax.accumulate` (across calls) and
 :func:`accum_jax.value_and_grad` (inside one step), keep an :class:`Accumulator`
-and use the functions below (init, add, result, empty). The algorithm, for microbatch gradients
-``g_i`` with weights ``w_i``::
+and use the functions below (init, add, result, empty, merge). The algorithm, for
+microbatch gradients ``g_i`` with weights ``w_i``::
 
-  total, weight = 0, 0                     # total in accumulator_dtype
+  total, weight = 0, 0                     # total in the accumulator dtype, weight in float32
   for g, w in microbatches:
     if w < 0 or w > 0 and not all_finite(g):  # skipped, counted, never added
       num_skipped += 1
       continue
     count += 1
     if w > 0:
-      total += w * g                       # product in float32, sum in accumulator_dtype
       weight += w
+      total += w * g                       # float32 and wider accumulators: the sum
+      total += w / weight * (g - total)    # narrower ones (float16, bfloat16): the mean
   mean = total / weight  (0 where weight == 0), cast back to g's dtype
+
+The accumulator dtype of a leaf is the promotion of ``accumulator_dtype`` and the
+leaf's dtype: float32 for bfloat16 and float16 gradients, complex64 for complex64
+ones (the imaginary part is kept), float64 for float64 ones.
+
+An accumulator narrower than float32 (``accumulator_dtype=None`` with float16 or
+bfloat16 gradients) holds the running weighted *mean*, computed in float32 and
+rounded once per call: a weighted sum of finite float16 gradients overflows
+float16 long before their mean does (four gradients of 30000, or one of 100 with
+a weight of 1000 tokens). The mean of finite values is finite, so nothing that
+fits the gradient dtype overflows, and the float32 weight is never rounded. This
+costs no extra pass over the gradients; the float32 path adds and does nothing else.
 
 A zero weight adds nothing, even where its gradient is NaN: padding microbatches
 cannot poison the sum.
@@ -33,16 +46,17 @@ REDUCTIONS: tuple[str, ...] = ("mean", "sum")
 
 
 class Accumulator(NamedTuple):
-  """A running weighted sum of pytrees.
+  """A running weighted sum (or, in a narrow dtype, mean) of pytrees.
 
   Attributes:
     total: ``sum(w_i * x_i)`` over the added pytrees, leaves in the accumulator
-      dtype.
+      dtype; for leaves narrower than float32 (float16, bfloat16), the weighted
+      mean ``sum(w_i * x_i) / sum(w_i)`` instead, which cannot overflow.
     weight: ``sum(w_i)``; shape=(), dtype=float32.
     count: number of pytrees offered and not skipped, zero weights included;
       shape=(), dtype=int32.
     num_skipped: number of non-finite pytrees refused, never reset by
-      :func:`reset`; shape=(), dtype=int32.
+      :func:`empty`; shape=(), dtype=int32.
   """
 
   total: Any
@@ -83,20 +97,73 @@ def canonicalize_accumulator_dtype(accumulator_dtype: Any) -> jnp.dtype | None:
   return dtype
 
 
-def _zeros_like(x: jax.Array, dtype: Any) -> jax.Array:
+def accumulator_dtype_for(leaf_dtype: Any, accumulator_dtype: Any) -> jnp.dtype:
+  """The accumulator dtype of one leaf: the promotion of both (None: the leaf's).
+
+  float32 with bfloat16 gives float32, with complex64 complex64 (a real
+  accumulator would drop the imaginary part), with float64 float64.
+  """
+  leaf_dtype = jnp.dtype(leaf_dtype)
+  if accumulator_dtype is None:
+    return leaf_dtype
+  return jnp.promote_types(accumulator_dtype, leaf_dtype)
+
+
+def is_narrow(dtype: Any) -> bool:
+  """Whether ``dtype`` is a float narrower than float32 (float16, bfloat16, fp8)."""
+  dtype = jnp.dtype(dtype)
+  return jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32
+
+
+def zeros_like(x: Any, dtype: Any = None) -> jax.Array:
+  """Zeros with the shape and sharding of ``x``, in ``dtype`` (default ``x``'s).
+
+  ``x`` may be an array, a tracer or a ``jax.ShapeDtypeStruct``. Under
+  ``jax.jit`` a constant zero has no sharding of its own and comes out
+  replicated; the zeros made here keep ``x``'s:
+
+  - with explicit sharding (the array type carries its sharding), the zeros are
+    made with that sharding;
+  - with automatic sharding, the zeros are an expression of ``x``, whose sharding
+    they inherit by propagation (not ``x * 0``, which is NaN where ``x`` is not
+    finite);
+  - a ``ShapeDtypeStruct`` with a ``NamedSharding`` gives zeros with it.
+
+  Args:
+    x: an array, tracer or ``jax.ShapeDtypeStruct``.
+    dtype: the dtype of the zeros; None keeps ``x``'s.
+
+  Returns:
+    An array of zeros shaped like ``x``.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> from accum_jax import _core
+    >>> _core.zeros_like(jnp.ones((2, 3)), jnp.bfloat16).dtype
+    dtype(bfloat16)
+  """
   dtype = x.dtype if dtype is None else dtype
+  if isinstance(x, jax.ShapeDtypeStruct):
+    sharding = x.sharding if isinstance(x.sharding, jax.sharding.NamedSharding) else None
+    return jnp.zeros(x.shape, dtype, out_sharding=sharding)
   if isinstance(x, jax.core.Tracer):
-    # Under jit a constant zero has no sharding of its own and comes out
-    # replicated; an expression of `x` inherits x's sharding by propagation.
-    # (Not `x * 0`, which is NaN where x is not finite.)
+    spec = getattr(jax.typeof(x).sharding, "spec", ())
+    if any(axis is not None for axis in spec):
+      # Explicit sharding: the type carries it, and zeros_like keeps the type's.
+      return jnp.zeros_like(x, dtype)
     return jnp.zeros_like(x, dtype) * jnp.isnan(x).astype(dtype)
   return jnp.zeros_like(x, dtype=dtype)
 
 
 def init(tree: Any, accumulator_dtype: Any = jnp.float32) -> Accumulator:
-  """An empty accumulator shaped like ``tree``, keeping its leaves' sharding."""
+  """An empty accumulator shaped like ``tree``, keeping its leaves' sharding.
+
+  Each leaf's accumulator has the dtype :func:`accumulator_dtype_for` gives.
+  """
   return Accumulator(
-      total=jax.tree.map(lambda x: _zeros_like(x, accumulator_dtype), tree),
+      total=jax.tree.map(
+          lambda x: zeros_like(x, accumulator_dtype_for(x.dtype, accumulator_dtype)), tree
+      ),
       weight=jnp.zeros((), jnp.float32),
       count=jnp.zeros((), jnp.int32),
       num_skipped=jnp.zeros((), jnp.int32),
@@ -107,6 +174,10 @@ def all_finite(tree: Any) -> jax.Array:
   """True iff every leaf of ``tree`` is free of NaN and Inf; shape=()."""
   leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
   return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
+
+
+def _wide(dtype: Any) -> jnp.dtype:
+  return jnp.promote_types(dtype, jnp.float32)
 
 
 def add(
@@ -140,18 +211,27 @@ def add(
     ok = ok & (all_finite(tree) | ~has_weight)
   keep = has_weight & ok
   skipped = ~ok
+  new_weight = acc.weight + jnp.where(keep, w, 0.0)
+  # The new call's share of the window, for the running means of narrow leaves.
+  share = w / jnp.where(new_weight > 0, new_weight, 1.0)
 
   def add_leaf(total, x):
-    # The product in float32 at least: a large weight must not overflow a
-    # float16 accumulator, nor round in a bfloat16 one. `where`, not a product
-    # with `keep`: 0 * NaN is NaN.
-    product = w.astype(jnp.promote_types(total.dtype, jnp.float32)) * x
-    return jnp.where(keep, total + product.astype(total.dtype), total)
+    if is_narrow(total.dtype):
+      # The running mean, computed in float32 and rounded once: a convex
+      # combination of finite values, so it cannot overflow.
+      mean = total.astype(jnp.float32)
+      new = (mean + share * (x.astype(jnp.float32) - mean)).astype(total.dtype)
+    else:
+      # The product in float32 at least, so that a bfloat16 gradient times a
+      # large weight does not round in the gradient's dtype.
+      new = total + (w.astype(_wide(total.dtype)) * x).astype(total.dtype)
+    # `where`, not a product with `keep`: 0 * NaN is NaN.
+    return jnp.where(keep, new, total)
 
   return (
       Accumulator(
           total=jax.tree.map(add_leaf, acc.total, tree),
-          weight=acc.weight + jnp.where(keep, w, 0.0),
+          weight=new_weight,
           count=acc.count + (~skipped).astype(jnp.int32),
           num_skipped=acc.num_skipped + skipped.astype(jnp.int32),
       ),
@@ -170,14 +250,39 @@ def result(acc: Accumulator, like: Any, reduction: Reduction = "mean") -> Any:
 
   Returns:
     A pytree with the structure of ``acc.total`` and the dtypes of ``like``.
+    A weighted sum beyond the range of ``like``'s dtype is infinite there; see
+    :func:`sum_fits`.
   """
-  divisor = jnp.where(acc.weight > 0, acc.weight, 1.0) if reduction == "mean" else None
+  divisor = jnp.where(acc.weight > 0, acc.weight, 1.0)
 
   def finish(total, x):
-    normalised = total if divisor is None else total / divisor.astype(total.dtype)
-    return normalised.astype(x.dtype)
+    if is_narrow(total.dtype):  # total holds the mean
+      if reduction == "mean":
+        return total.astype(x.dtype)
+      return (total.astype(jnp.float32) * acc.weight).astype(x.dtype)
+    if reduction == "sum":
+      return total.astype(x.dtype)
+    return (total / divisor.astype(total.dtype)).astype(x.dtype)
 
   return jax.tree.map(finish, acc.total, like)
+
+
+def sum_fits(acc: Accumulator, like: Any) -> jax.Array:
+  """Whether the weighted sum is finite in the dtypes of ``like``; shape=().
+
+  Only leaves whose ``like`` dtype is narrower than float32 are looked at (one
+  reduction over each); for the others the answer is True without a pass: the
+  float32 path gets no extra work.
+  """
+  checks = [jnp.array(True)]
+  for total, x in zip(jax.tree.leaves(acc.total), jax.tree.leaves(like)):
+    if not is_narrow(x.dtype):
+      continue
+    largest = jnp.max(jnp.abs(total.astype(_wide(total.dtype))), initial=0.0)
+    if is_narrow(total.dtype):  # total holds the mean
+      largest = largest * acc.weight
+    checks.append(largest <= float(jnp.finfo(x.dtype).max))
+  return jnp.all(jnp.stack(checks))
 
 
 def empty(acc: Accumulator) -> Accumulator:
@@ -188,3 +293,31 @@ def empty(acc: Accumulator) -> Accumulator:
       count=jnp.zeros_like(acc.count),
       num_skipped=acc.num_skipped,
   )
+
+
+def merge(acc: Accumulator, axis_name: Any) -> Accumulator:
+  """The accumulators of all devices along ``axis_name`` combined, on each device.
+
+  The one cross-device reduction of the data-parallel path (inside
+  ``jax.shard_map``): a ``psum`` of the sums, and of the narrow leaves' means
+  weighted by each device's weight (a ``psum`` of means would be wrong).
+
+  Args:
+    acc: this device's accumulator.
+    axis_name: the mesh axis (or axes) to reduce over.
+
+  Returns:
+    The combined accumulator, the same on every device along ``axis_name``.
+  """
+  weight = jax.lax.psum(acc.weight, axis_name)
+  share = acc.weight / jnp.where(weight > 0, weight, 1.0)
+
+  def to_sum(total):
+    # A narrow mean goes over the wire as this device's share of the global mean.
+    return (share * total.astype(jnp.float32)) if is_narrow(total.dtype) else total
+
+  summed, count, num_skipped = jax.lax.psum(
+      (jax.tree.map(to_sum, acc.total), acc.count, acc.num_skipped), axis_name
+  )
+  total = jax.tree.map(lambda new, old: new.astype(old.dtype), summed, acc.total)
+  return Accumulator(total, weight, count, num_skipped)
