@@ -1,22 +1,27 @@
-"""Accumulation inside one step: ``value_and_grad`` over microbatches."""
+"""Accumulation inside one step: ``value_and_grad`` over microbatches.
+
+:func:`value_and_grad` is a short composition of the steps below::
+
+  options = _options.make(...)                    # once, when it is built
+  call = _options.bind(options, args)             # per call: batch, sizes, mesh
+  shapes = _trace_one(...)                        # one microbatch, abstractly
+  sums = _scan(...)                               # lax.scan: weighted sums
+         (or _sharding.data_parallel(_scan, ...)) # per device, one reduction
+  return _finalise(sums, ...)                     # normalise, cast, reduce aux
+"""
 
 from __future__ import annotations
 
 import functools
-import math
-import numbers
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from accum_jax import _core, _sharding
-
-AuxReduction = Literal["mean", "sum", "stack"]
-_AUX_REDUCTIONS = ("mean", "sum", "stack")
-Split = Literal["contiguous", "strided"]
-_SPLITS = ("contiguous", "strided")
+from accum_jax import _batching, _core, _options, _sharding
+from accum_jax._batching import Split, divisors  # noqa: F401  (re-exported for the planner)
+from accum_jax._options import AuxReduction
 
 
 class MicrobatchInfo(NamedTuple):
@@ -24,7 +29,8 @@ class MicrobatchInfo(NamedTuple):
 
   Attributes:
     num_skipped: microbatches skipped because their loss or gradient was not
-      finite (or their weight negative); shape=(), dtype=int32.
+      finite (or their weight negative); shape=(), dtype=int32. With dynamic
+      loss scaling, a non-zero count is an overflow the scaler must see.
     total_weight: the sum of the kept microbatches' weights (their number when
       there is no ``weight_fn``); shape=(), dtype=float32.
   """
@@ -33,72 +39,83 @@ class MicrobatchInfo(NamedTuple):
   total_weight: jax.Array
 
 
-def _as_tuple(argnums: int | Sequence[int] | None, name: str) -> tuple[int, ...]:
-  if argnums is None:
-    return ()
-  nums = (argnums,) if isinstance(argnums, numbers.Integral) else tuple(argnums)
-  for n in nums:
-    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
-      raise ValueError(f"{name}={argnums!r} must be a non-negative int or a tuple of them.")
-  return tuple(int(n) for n in nums)
+class _Shapes(NamedTuple):
+  """One microbatch's outputs, abstractly, and how each aux leaf is reduced."""
+
+  value: jax.ShapeDtypeStruct
+  grads: Any
+  aux: Any
+  reductions: tuple[str, ...]  # one per leaf of aux
 
 
-def _check_num_microbatches(num_microbatches: Any) -> int:
-  if (n := _core.positive_int(num_microbatches)) is None:
-    raise ValueError(
-        f"num_microbatches={num_microbatches!r} must be an int >= 1 that divides the"
-        " batch size; use 1 for the whole batch at once."
-    )
-  return n
+def _describe(x: Any) -> str:
+  if isinstance(x, (tuple, list)):
+    return f"a {type(x).__name__} of {len(x)}"
+  if hasattr(x, "shape") and hasattr(x, "dtype"):
+    return f"an array of shape {tuple(x.shape)} and dtype {x.dtype}"
+  return f"a {type(x).__name__}"
 
 
-def _batch_size(batch_args: dict[int, Any]) -> int:
-  sizes = {}
-  for i, arg in batch_args.items():
-    for path, leaf in jax.tree.leaves_with_path(arg):
-      if jnp.ndim(leaf) == 0:
-        raise ValueError(
-            f"Argument {i}{jax.tree_util.keystr(path)} is a scalar, but batch_argnums"
-            " names it: every leaf of a batch argument needs a leading batch axis. Pass"
-            " it as another argument, or give it a batch axis."
-        )
-      sizes[f"argument {i}{jax.tree_util.keystr(path)}"] = jnp.shape(leaf)[0]
-  if not sizes:
-    raise ValueError("batch_argnums names arguments with no arrays: nothing to split.")
-  if len(set(sizes.values())) > 1:
-    listed = ", ".join(f"{k}: {v}" for k, v in sizes.items())
-    raise ValueError(
-        f"The batch arguments have different leading (batch) sizes ({listed}). Every"
-        " leaf of a batch argument must have the same batch size along axis 0."
-    )
-  return next(iter(sizes.values()))
-
-
-def divisors(n: int) -> list[int]:
-  """The divisors of ``n``, ascending: the numbers of microbatches a batch of n allows."""
-  small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
-  return sorted({*small, *(n // d for d in small)})
-
-
-def _check_divisible(batch_size: int, num_microbatches: int, num_shards: int = 1) -> None:
-  parts = num_microbatches * num_shards
-  if batch_size % parts == 0:
-    return
-  if batch_size % num_shards:
-    raise ValueError(
-        f"A batch of {batch_size} does not split over the {num_shards} devices of the"
-        f" data axis. Pad the batch to a multiple of {parts} (num_microbatches="
-        f"{num_microbatches} x {num_shards} devices), e.g. with pad_batch=True and a"
-        " weight_fn that gives rows of zeros zero weight."
-    )
-  where = "" if num_shards == 1 else f" on each of {num_shards} devices"
-  choices = divisors(batch_size // num_shards)
-  raise ValueError(
-      f"A batch of {batch_size} does not split into num_microbatches={num_microbatches}"
-      f"{where}. Pad the batch to a multiple of {parts} with rows that count for"
-      " nothing (pass pad_batch=True, with a weight_fn that gives rows of zeros zero"
-      f" weight, e.g. through a mask), or choose num_microbatches among {choices}."
+def _check_state(new: Any, old: Any, argnum: int) -> None:
+  """``new`` must be a state of the same tree, shapes and dtypes as ``old``."""
+  fix = (
+      f" fun must return (value, (new_state, aux)) with new_state shaped like its"
+      f" argument {argnum} (state_argnums), e.g. Linen's"
+      " `(loss, (updates['batch_stats'], aux))`."
   )
+  if jax.tree.structure(new) != jax.tree.structure(old):
+    raise ValueError(
+        f"The new state has structure {jax.tree.structure(new)}, but the state passed in"
+        f" has structure {jax.tree.structure(old)}.{fix}"
+    )
+  for (path, a), b in zip(jax.tree.leaves_with_path(new), jax.tree.leaves(old)):
+    if jnp.shape(a) != jnp.shape(b) or jnp.result_type(a) != jnp.result_type(b):
+      raise ValueError(
+          f"The new state's leaf {jax.tree_util.keystr(path)} has shape {jnp.shape(a)} and"
+          f" dtype {jnp.result_type(a)}, but the state passed in has shape {jnp.shape(b)}"
+          f" and dtype {jnp.result_type(b)}.{fix}"
+      )
+
+
+def _checked(fun: Callable[..., Any], options: _options.Options) -> Callable[..., Any]:
+  """``fun`` returning ``(value, (new_state, aux))``, with what it returned checked."""
+
+  def checked(*args, **kwargs):
+    out = fun(*args, **kwargs)
+    if options.has_aux:
+      if not isinstance(out, (tuple, list)) or len(out) != 2:
+        raise ValueError(
+            f"has_aux=True, so fun must return a pair (value, aux), but it returned"
+            f" {_describe(out)}. Return (loss, aux) (gather several outputs into one aux"
+            " pytree), or pass has_aux=False."
+        )
+      value, aux = out
+    elif isinstance(out, (tuple, list)):
+      raise ValueError(
+          f"fun returned {_describe(out)}, not a scalar loss. If it returns (loss, aux),"
+          " pass has_aux=True."
+      )
+    else:
+      value, aux = out, ()
+    if not hasattr(value, "shape") or jnp.ndim(value) != 0:
+      raise ValueError(
+          f"fun must return a scalar loss, got {_describe(value)}: reduce it (e.g. with"
+          " jnp.mean), and return other outputs as aux with has_aux=True."
+      )
+    new_state = None
+    if options.state_argnums:
+      if not isinstance(aux, (tuple, list)) or len(aux) != 2:
+        raise ValueError(
+            f"With state_argnums={options.state_argnums}, fun must return (value,"
+            f" (new_state, aux)), but its aux is {_describe(aux)}. Return (loss,"
+            " (new_state, aux)), with aux=() if there is nothing else."
+        )
+      new_state, aux = aux
+      _check_state(new_state, args[options.state_argnums[0]], options.state_argnums[0])
+    return value, (new_state, aux)
+
+  diff = options.argnums[0] if options.single_argnum else options.argnums
+  return jax.value_and_grad(checked, argnums=diff, has_aux=True)
 
 
 def _fold_in(key: jax.Array, index: jax.Array, shard_index: jax.Array | None) -> jax.Array:
@@ -107,41 +124,160 @@ def _fold_in(key: jax.Array, index: jax.Array, shard_index: jax.Array | None) ->
   return key if shard_index is None else jax.random.fold_in(key, shard_index)
 
 
-def _pad(batch: Any, num_rows: int) -> Any:
-  """``batch`` with ``num_rows`` rows of zeros appended to every leaf."""
-  return jax.tree.map(
-      lambda x: jnp.pad(x, [(0, num_rows)] + [(0, 0)] * (jnp.ndim(x) - 1)), batch
+class _Out(NamedTuple):
+  """What one microbatch gives."""
+
+  value: jax.Array
+  grads: Any
+  state: Any  # the new state, None without state_argnums
+  aux: Any
+  weight: jax.Array | None
+
+
+def _one_microbatch(grad_fun, options, call, args, kwargs, index, mb, state, shard_index) -> _Out:
+  """Value, gradient, new state, aux and weight of microbatch ``index``."""
+  call_args = list(args)
+  for n in call.batch_argnums:
+    call_args[n] = mb[n]
+  for n in options.rng_argnums:
+    call_args[n] = jax.tree.map(lambda key: _fold_in(key, index, shard_index), args[n])
+  if options.state_argnums:
+    call_args[options.state_argnums[0]] = state
+  (value, (new_state, aux)), grads = grad_fun(*call_args, **kwargs)
+  weight = None
+  if options.weight_fn is not None:
+    weight = options.weight_fn(*(mb[n] for n in call.batch_argnums))
+    if jnp.ndim(weight) != 0:
+      raise ValueError(
+          f"weight_fn must return a scalar weight per microbatch, got shape"
+          f" {jnp.shape(weight)}. Reduce it, e.g. lambda batch: batch['mask'].sum()."
+      )
+  return _Out(value, grads, new_state, aux, weight)
+
+
+def _aux_reductions(aux: Any, requested: AuxReduction | None, rows: int) -> tuple[str, ...]:
+  """How each aux leaf is reduced. By default a leaf with a leading axis of the
+  microbatch's rows is per-example (concatenated); any other is averaged."""
+  reductions = []
+  for path, leaf in jax.tree.leaves_with_path(aux):
+    per_example = len(leaf.shape) >= 1 and leaf.shape[0] == rows
+    if requested == "concat" and not per_example:
+      raise ValueError(
+          f"aux_reduction='concat' returns per-example outputs in batch order, but aux"
+          f" leaf {jax.tree_util.keystr(path) or '(the aux)'} has shape {leaf.shape}, with"
+          f" no leading axis of the microbatch's {rows} rows. Return one row per example,"
+          " or reduce it with aux_reduction='mean' or 'sum'."
+      )
+    reductions.append(requested or ("concat" if per_example else "mean"))
+  return tuple(reductions)
+
+
+def _trace_one(grad_fun, options, call, args, kwargs) -> _Shapes:
+  """The abstract outputs of one microbatch (a trace, no compile)."""
+  mb = {
+      n: jax.tree.map(lambda x: jax.ShapeDtypeStruct((call.rows, *x.shape[1:]), x.dtype), args[n])
+      for n in call.batch_argnums
+  }
+  state = args[options.state_argnums[0]] if options.state_argnums else None
+  one = functools.partial(_one_microbatch, grad_fun, options, call, args, kwargs)
+  out = jax.eval_shape(lambda i, mb, state: one(i, mb, state, None), 0, mb, state)
+  reductions = _aux_reductions(out.aux, options.aux_reduction, call.rows)
+  return _Shapes(out.value, out.grads, out.aux, reductions)
+
+
+def _aux_sum_dtype(dtype: Any, reduction: str) -> Any:
+  """Means in float32 at least; sums of integers in integers, exactly."""
+  if jnp.issubdtype(dtype, jnp.inexact):
+    return jnp.promote_types(dtype, jnp.float32)
+  return jnp.float32 if reduction == "mean" else jnp.promote_types(dtype, jnp.int32)
+
+
+def _aux_add(total: jax.Array, x: jax.Array, reduction: str, weight, kept) -> jax.Array:
+  x = x.astype(total.dtype)
+  if reduction == "mean" and weight is not None:
+    x = jnp.asarray(weight, jnp.float32).astype(total.dtype) * x
+  # `where`, not a product with `kept`: a skipped microbatch's aux may be NaN.
+  return total + jnp.where(kept, x, jnp.zeros_like(x))
+
+
+def _scan(grad_fun, options, call, shapes, args, shard_index, *, kwargs) -> _sharding.LocalSums:
+  """Scans this device's microbatches; returns the un-normalised sums."""
+  split = functools.partial(
+      _batching.split, num_microbatches=options.num_microbatches, how=options.split
   )
+  batch = {n: jax.tree.map(split, args[n]) for n in call.batch_argnums}
+  one = functools.partial(_one_microbatch, grad_fun, options, call, args, kwargs)
+  # Zeros made from the parameters themselves keep their sharding: sharded
+  # (FSDP-style) parameters get an accumulator sharded the same way.
+  params = tuple(args[n] for n in options.argnums)
+  params = params[0] if options.single_argnum else params
+  acc = _core.init((jnp.zeros((), shapes.value.dtype), params), options.accumulator_dtype)
+  aux_sums = [
+      jnp.zeros(x.shape, _aux_sum_dtype(x.dtype, r)) if r in ("mean", "sum") else None
+      for x, r in zip(jax.tree.leaves(shapes.aux), shapes.reductions)
+  ]
+  state = args[options.state_argnums[0]] if options.state_argnums else None
 
-
-def _split(x: jax.Array, num_microbatches: int, split: Split) -> jax.Array:
-  size = x.shape[0] // num_microbatches
-  if split == "contiguous":  # microbatch i: rows i * size, ..., (i + 1) * size - 1
-    return x.reshape(num_microbatches, size, *x.shape[1:])
-  # microbatch i: rows i, i + N, i + 2N, ...; with the batch sharded over devices,
-  # every microbatch then has rows on every device.
-  return jnp.swapaxes(x.reshape(size, num_microbatches, *x.shape[1:]), 0, 1)
-
-
-def _is_key(x: Any) -> bool:
-  dtype = getattr(x, "dtype", None)
-  if dtype is None:
-    return False
-  if jnp.issubdtype(dtype, jax.dtypes.prng_key):
-    return jnp.ndim(x) == 0
-  return dtype == jnp.uint32 and jnp.shape(x) == (2,)  # a raw key
-
-
-def _check_key(keys: Any, argnum: int) -> None:
-  leaves = jax.tree.leaves(keys)
-  if not leaves or not all(_is_key(leaf) for leaf in leaves):
-    bad = next((leaf for leaf in leaves if not _is_key(leaf)), keys)
-    raise ValueError(
-        f"rng_argnums names argument {argnum}, which is not a PRNG key or a pytree of"
-        f" them (got {getattr(bad, 'dtype', type(bad).__name__)} of shape"
-        f" {jnp.shape(bad)}). Pass single keys such as jax.random.key(0), or drop it"
-        " from rng_argnums."
+  @functools.partial(jax.named_call, name="accum_jax_microbatch")
+  def body(carry, xs):
+    acc, aux_sums, state = carry
+    out = one(*xs, state, shard_index)
+    acc, kept = _core.add(
+        acc, (out.value, out.grads), out.weight, skip_nonfinite=options.skip_nonfinite
     )
+    aux = jax.tree.leaves(out.aux)
+    aux_sums = [
+        None if total is None else _aux_add(total, x, r, out.weight, kept)
+        for total, x, r in zip(aux_sums, aux, shapes.reductions)
+    ]
+    per_example = [x if r in ("concat", "stack") else None for x, r in zip(aux, shapes.reductions)]
+    if options.state_argnums:
+      state = jax.tree.map(lambda new, old: jnp.where(kept, new, old), out.state, state)
+    return (acc, aux_sums, state), per_example
+
+  xs = (jnp.arange(options.num_microbatches, dtype=jnp.int32), batch)
+  (acc, aux_sums, state), stacked = jax.lax.scan(body, (acc, aux_sums, state), xs)
+  per_example = [
+      _batching.unsplit(x, options.split) if r == "concat" else x
+      for x, r in zip(stacked, shapes.reductions)
+  ]
+  return _sharding.LocalSums(acc, aux_sums, state, per_example)
+
+
+def _aux_result(total, per_example, like, reduction, weight, batch_size) -> jax.Array:
+  if reduction == "concat":
+    return per_example[:batch_size]  # without the rows of padding
+  if reduction == "stack":
+    return per_example
+  if reduction == "mean":
+    total = total / jnp.where(weight > 0, weight, 1.0).astype(total.dtype)
+  return total.astype(like.dtype) if jnp.issubdtype(like.dtype, jnp.inexact) else total
+
+
+def _finalise(sums: _sharding.LocalSums, shapes: _Shapes, options, call) -> Any:
+  """Normalises the sums into what ``jax.value_and_grad`` returns."""
+  acc = sums.acc
+  value, grads = _core.result(acc, (shapes.value, shapes.grads), "mean")
+  # Every microbatch skipped: NaN, as on the whole batch, rather than a loss of
+  # 0 that hides it (accumulate, apply_if_finite... then skip the step too).
+  nothing_kept = (acc.weight == 0) & (acc.num_skipped > 0)
+  value, grads = jax.tree.map(
+      lambda x: jnp.where(nothing_kept, jnp.nan, x) if jnp.issubdtype(x.dtype, jnp.inexact)
+      else x,
+      (value, grads),
+  )
+  aux = jax.tree.unflatten(jax.tree.structure(shapes.aux), [
+      _aux_result(total, per_example, like, r, acc.weight, call.batch_size)
+      for total, per_example, like, r in zip(
+          sums.aux_sums, sums.per_example, jax.tree.leaves(shapes.aux), shapes.reductions
+      )
+  ])
+  if options.state_argnums:
+    aux = (sums.state, aux)
+  out = (value, aux) if options.has_aux else value
+  if options.return_info:
+    return out, grads, MicrobatchInfo(acc.num_skipped, acc.weight)
+  return out, grads
 
 
 def value_and_grad(
@@ -149,12 +285,12 @@ def value_and_grad(
     num_microbatches: int,
     *,
     argnums: int | Sequence[int] = 0,
-    batch_argnums: int | Sequence[int] = 1,
+    batch_argnums: int | Sequence[int] | None = None,
     has_aux: bool = False,
     weight_fn: Callable[..., jax.typing.ArrayLike] | None = None,
     rng_argnums: int | Sequence[int] | None = None,
     state_argnums: int | None = None,
-    aux_reduction: AuxReduction = "mean",
+    aux_reduction: AuxReduction | None = None,
     split: Split = "contiguous",
     pad_batch: bool = False,
     accumulator_dtype: Any = jnp.float32,
@@ -185,7 +321,11 @@ def value_and_grad(
     num_microbatches: the number of microbatches, an int >= 1 dividing the batch.
     argnums: which positional argument(s) to differentiate.
     batch_argnums: which positional argument(s) are batches: pytrees whose
-      leaves all have the same leading batch size.
+      leaves all have the same leading batch size. None (the default) splits
+      every positional argument that is not in ``argnums``, ``rng_argnums`` or
+      ``state_argnums`` and whose leaves are all arrays with a leading axis, so
+      ``loss(params, x, y)`` splits ``x`` and ``y``. Keyword arguments are never
+      split; nor is a batch that ``fun`` closes over (pass it as an argument).
     has_aux: ``fun`` returns ``(value, aux)``.
     weight_fn: called with the batch arguments of one microbatch, returns its
       scalar weight (e.g. ``lambda batch: batch["mask"].sum()``). A zero weight
@@ -199,9 +339,14 @@ def value_and_grad(
       and return ``(value, (new_state, aux))``; the result's aux is
       ``(final_state, reduced_aux)``. A skipped or zero-weight microbatch leaves
       the state as it was.
-    aux_reduction: ``"mean"`` (default) averages aux leaves like the loss,
-      weighted when ``weight_fn`` is given; ``"sum"`` sums them; ``"stack"``
-      returns them stacked with a leading ``num_microbatches`` axis.
+    aux_reduction: how aux leaves come back. ``"mean"`` averages them like the
+      loss, weighted when ``weight_fn`` is given (integer leaves become
+      float32); ``"sum"`` sums them (integers exactly, in integers);
+      ``"concat"`` returns per-example outputs (a leading axis of the
+      microbatch's rows, e.g. logits) as ``(batch, ...)`` in the batch's row
+      order, padding removed; ``"stack"`` returns them stacked with a leading
+      ``num_microbatches`` axis. None (the default) concatenates each leaf
+      whose leading axis is the microbatch's rows and averages the others.
     split: which rows make microbatch ``i``: ``"contiguous"`` (default), rows
       ``i * B/N`` to ``(i + 1) * B/N - 1``; ``"strided"``, rows ``i, i + N, i +
       2N, ...``. Use ``"strided"`` when the batch is sharded over devices and
@@ -243,7 +388,10 @@ def value_and_grad(
     ValueError: for ``num_microbatches`` < 1, overlapping or out-of-range
       argnums, an unknown ``aux_reduction``; at trace time, for a batch that
       does not split, batch arguments of different sizes, a ``weight_fn`` that
-      does not return a scalar, or an ``rng_argnums`` argument that is no key.
+      does not return a scalar, an ``rng_argnums`` argument that is no key, or
+      a ``fun`` that does not return what ``has_aux`` and ``state_argnums``
+      promise (a scalar loss; ``(loss, aux)``; ``(loss, (new_state, aux))``
+      with ``new_state`` of the state's tree, shapes and dtypes).
 
   Examples:
     >>> import jax, jax.numpy as jnp, accum_jax
@@ -256,178 +404,32 @@ def value_and_grad(
     >>> bool(jnp.allclose(value, full_value)), bool(jnp.allclose(grads, full_grads))
     (True, True)
   """
-  num_microbatches = _check_num_microbatches(num_microbatches)
-  diff_nums = _as_tuple(argnums, "argnums")
-  batch_nums = _as_tuple(batch_argnums, "batch_argnums")
-  rng_nums = _as_tuple(rng_argnums, "rng_argnums")
-  state_nums = _as_tuple(state_argnums, "state_argnums")
-  if not diff_nums:
-    raise ValueError("argnums=() differentiates nothing: name at least one argument.")
-  if not batch_nums:
-    raise ValueError("batch_argnums=() names no batch: name the argument(s) to split.")
-  if len(state_nums) > 1:
-    raise ValueError(
-        f"state_argnums={state_argnums!r}: one argument can be threaded; gather the"
-        " states into one pytree."
-    )
-  roles = {"argnums": diff_nums, "batch_argnums": batch_nums, "rng_argnums": rng_nums,
-           "state_argnums": state_nums}
-  names = list(roles)
-  for a_i, a in enumerate(names):
-    for b in names[a_i + 1:]:
-      if both := set(roles[a]) & set(roles[b]):
-        raise ValueError(
-            f"{a}={roles[a]} and {b}={roles[b]} both name argument(s) {sorted(both)}:"
-            " each argument has one role."
-        )
-  if aux_reduction == "stack" and (mesh is not None or data_axis is not None):
-    raise ValueError(
-        "aux_reduction='stack' is not available with a mesh: per-microbatch aux differs"
-        " between devices. Use 'mean' or 'sum'."
-    )
-  if pad_batch and weight_fn is None:
-    raise ValueError(
-        "pad_batch=True needs weight_fn: the rows of zeros it appends must count for"
-        " nothing, so pass a weight_fn that gives them zero weight, e.g."
-        " weight_fn=lambda batch: batch['mask'].sum()."
-    )
-  if split not in _SPLITS:
-    raise ValueError(
-        f"split={split!r} is not one of {_SPLITS}: 'contiguous' makes microbatch i of"
-        " consecutive rows, 'strided' of rows i, i + N, i + 2N, ..."
-    )
-  if aux_reduction not in _AUX_REDUCTIONS:
-    raise ValueError(
-        f"aux_reduction={aux_reduction!r} is not one of {_AUX_REDUCTIONS}."
-    )
-  if state_nums and not has_aux:
-    raise ValueError(
-        "state_argnums needs has_aux=True: fun must return (value, (new_state, aux))."
-    )
-  accumulator_dtype = _core.canonicalize_accumulator_dtype(accumulator_dtype)
-  single_argnum = isinstance(argnums, numbers.Integral)
-
-  def value_and_aux(*args, **kwargs):
-    value, aux = fun(*args, **kwargs) if has_aux else (fun(*args, **kwargs), ())
-    if jnp.ndim(value) != 0:
-      raise ValueError(
-          f"fun must return a scalar loss, got shape {jnp.shape(value)}: reduce it (e.g. with"
-          " jnp.mean), and return other outputs as aux with has_aux=True."
-      )
-    return value, aux
-
-  grad_fun = jax.value_and_grad(
-      value_and_aux, argnums=diff_nums[0] if single_argnum else diff_nums, has_aux=True
+  options = _options.make(
+      num_microbatches, argnums=argnums, batch_argnums=batch_argnums, has_aux=has_aux,
+      weight_fn=weight_fn, rng_argnums=rng_argnums, state_argnums=state_argnums,
+      aux_reduction=aux_reduction, split=split, pad_batch=pad_batch,
+      accumulator_dtype=accumulator_dtype, skip_nonfinite=skip_nonfinite, mesh=mesh,
+      data_axis=data_axis, return_info=return_info,
   )
-  data_parallel = mesh is not None or data_axis is not None
-
-  def local_sums(args: tuple[Any, ...], kwargs: dict[str, Any], shard_index: jax.Array | None):
-    """Scans this device's microbatches; returns the un-normalised sums."""
-    split_leaf = functools.partial(_split, num_microbatches=num_microbatches, split=split)
-    batch = {i: jax.tree.map(split_leaf, args[i]) for i in batch_nums}
-
-    def call(i, mb, state):
-      call_args = list(args)
-      for n in batch_nums:
-        call_args[n] = mb[n]
-      for n in rng_nums:
-        call_args[n] = jax.tree.map(lambda key: _fold_in(key, i, shard_index), args[n])
-      if state_nums:
-        call_args[state_nums[0]] = state
-      (value, aux), grads = grad_fun(*call_args, **kwargs)
-      new_state, aux = aux if state_nums else (None, aux)
-      if weight_fn is None:
-        weight = None
-      else:
-        weight = weight_fn(*(mb[n] for n in batch_nums))
-        if jnp.ndim(weight) != 0:
-          raise ValueError(
-              f"weight_fn must return a scalar weight per microbatch, got shape"
-              f" {jnp.shape(weight)}. Reduce it, e.g. lambda batch: batch['mask'].sum()."
-          )
-      return (value, grads), aux, new_state, weight
-
-    i0 = jax.ShapeDtypeStruct((), jnp.int32)
-    mb0 = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), batch)
-    state0 = args[state_nums[0]] if state_nums else None
-    out_shape, aux_shape, _, _ = jax.eval_shape(call, i0, mb0, state0)
-    # Zeros made from the parameters themselves keep their sharding: sharded
-    # (FSDP-style) parameters get an accumulator sharded the same way.
-    grads_like = args[diff_nums[0]] if single_argnum else tuple(args[n] for n in diff_nums)
-    acc0 = _core.init((jnp.zeros((), out_shape[0].dtype), grads_like), accumulator_dtype)
-    # Aux (metrics, counts) is summed in float32 whatever the gradients use.
-    aux_acc0 = _core.init(aux_shape, jnp.float32)
-
-    @functools.partial(jax.named_call, name="accum_jax_microbatch")
-    def body(carry, xs):
-      acc, aux_acc, state = carry
-      i, mb = xs
-      out, aux, new_state, weight = call(i, mb, state)
-      acc, kept = _core.add(acc, out, weight, skip_nonfinite=skip_nonfinite)
-      if aux_reduction != "stack":
-        aux_weight = weight if aux_reduction == "mean" else None
-        aux_acc, _ = _core.add(aux_acc, aux, aux_weight, skip_nonfinite=False, accept=kept)
-      if state_nums:
-        state = jax.tree.map(lambda new, old: jnp.where(kept, new, old), new_state, state)
-      return (acc, aux_acc, state), (aux if aux_reduction == "stack" else None)
-
-    xs = (jnp.arange(num_microbatches, dtype=jnp.int32), batch)
-    (acc, aux_acc, state), stacked = jax.lax.scan(body, (acc0, aux_acc0, state0), xs)
-    return acc, aux_acc, state, stacked, (out_shape, aux_shape)
-
-  def finish(acc, aux_acc, state, stacked, shapes):
-    out_shape, aux_shape = shapes
-    value, grads = _core.result(acc, out_shape, "mean")
-    # Every microbatch skipped: NaN, as on the whole batch, rather than a loss of
-    # 0 that hides it (accumulate, apply_if_finite... then skip the step too).
-    nothing_kept = (acc.weight == 0) & (acc.num_skipped > 0)
-    value, grads = jax.tree.map(
-        lambda x: jnp.where(nothing_kept, jnp.nan, x) if jnp.issubdtype(x.dtype, jnp.inexact)
-        else x,
-        (value, grads),
-    )
-    if aux_reduction == "stack":
-      aux = stacked
-    else:
-      aux = _core.result(aux_acc, aux_shape, aux_reduction)
-    if state_nums:
-      aux = (state, aux)
-    out = (value, aux) if has_aux else value
-    if return_info:
-      return out, grads, MicrobatchInfo(acc.num_skipped, acc.weight)
-    return out, grads
+  grad_fun = _checked(fun, options)
 
   @functools.wraps(fun)
   def wrapped(*args, **kwargs):
-    for role, nums in roles.items():
-      for n in nums:
-        if n >= len(args):
-          raise ValueError(
-              f"{role}={roles[role]} names argument {n}, but the function was called with"
-              f" {len(args)} positional argument(s). Pass it positionally, or fix {role}."
-          )
-    for n in rng_nums:
-      _check_key(args[n], n)
-    batch_size = _batch_size({n: args[n] for n in batch_nums})
-    num_shards = 1
-    if data_parallel:
-      resolved_mesh, axis = _sharding.resolve_mesh(mesh, data_axis)
-      num_shards = resolved_mesh.shape[axis]
-    if padding := -batch_size % (num_microbatches * num_shards):
-      if not pad_batch:
-        _check_divisible(batch_size, num_microbatches, num_shards)
-      args = tuple(_pad(arg, padding) if n in batch_nums else arg for n, arg in enumerate(args))
-    if not data_parallel:
-      return finish(*local_sums(args, kwargs, None))
-    return _sharding.data_parallel(
-        functools.partial(local_sums, kwargs=kwargs),
-        finish,
-        args,
-        batch_argnums=batch_nums,
-        state_argnums=state_nums,
-        mesh=resolved_mesh,
-        axis=axis,
-    )
+    call = _options.bind(options, args)
+    if call.padding:
+      args = tuple(
+          _batching.pad(arg, call.padding) if n in call.batch_argnums else arg
+          for n, arg in enumerate(args)
+      )
+    shapes = _trace_one(grad_fun, options, call, args, kwargs)
+    scan = functools.partial(_scan, grad_fun, options, call, shapes, kwargs=kwargs)
+    if call.mesh is None:
+      sums = scan(args, None)
+    else:
+      sums = _sharding.data_parallel(
+          scan, args, batch_argnums=call.batch_argnums, mesh=call.mesh, axis=call.data_axis
+      )
+    return _finalise(sums, shapes, options, call)
 
   return wrapped
 

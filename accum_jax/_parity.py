@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from accum_jax import _microbatch, _sharding
+from accum_jax import _microbatch, _options, _sharding
 
 # Names of batch leaves that hold per-element validity or weights.
 _MASK_NAMES = ("mask", "valid", "padding", "weight")
@@ -156,11 +156,6 @@ def _check_tolerance(name: str, value: Any) -> float:
         " max(1e-5, 4 * eps) of each leaf's dtype)."
     )
   return float(value)
-
-
-def _is_key(x: Any) -> bool:
-  dtype = getattr(x, "dtype", None)
-  return dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
 
 
 def _weight_fn_code(batch_nums: tuple[int, ...], position: int, path: str) -> str:
@@ -298,7 +293,7 @@ def check_parity(
     ...                        weight_fn=lambda batch: batch["mask"].sum()).ok
     True
   """
-  num_microbatches = _microbatch._check_num_microbatches(num_microbatches)
+  _options.make(num_microbatches, **value_and_grad_options)  # checks the options once
   atol = _check_tolerance("atol", atol)
   if rtol is not None:
     rtol = _check_tolerance("rtol", rtol)
@@ -306,7 +301,7 @@ def check_parity(
   options.pop("return_info", None)
   argnums = options.get("argnums", 0)
   if not isinstance(argnums, numbers.Integral):
-    argnums = _microbatch._as_tuple(argnums, "argnums")
+    argnums = _options.argnums_tuple(argnums, "argnums")
   has_aux = options.get("has_aux", False)
 
   def run_micro(opts: Mapping[str, Any]) -> tuple[Any, Any, Any]:
@@ -371,9 +366,9 @@ def _diagnose(
     atol: float,
 ) -> list[str]:
   """The recognised causes of a failed check, in words."""
-  batch_nums = _microbatch._as_tuple(options.get("batch_argnums", 1), "batch_argnums")
-  rng_nums = _microbatch._as_tuple(options.get("rng_argnums"), "rng_argnums")
-  state_nums = _microbatch._as_tuple(options.get("state_argnums"), "state_argnums")
+  parsed = _options.make(num_microbatches, **options)
+  batch_nums = _options.bind(parsed, args).batch_argnums
+  rng_nums, state_nums = parsed.rng_argnums, parsed.state_argnums
   # Causes that make parity fail whatever the weights: with one of them, a
   # weight_fn cannot be checked against the reference, so none is tried.
   by_design = []
@@ -421,7 +416,7 @@ def _diagnose(
     )
   unnamed_keys = [
       n for n, arg in enumerate(args)
-      if n not in rng_nums and any(_is_key(x) for x in jax.tree.leaves(arg))
+      if n not in rng_nums and any(_options.is_key(x) for x in jax.tree.leaves(arg))
   ]
   if unnamed_keys:
     by_design.append(

@@ -35,7 +35,7 @@ from typing import Any
 
 import jax
 
-from accum_jax import _microbatch, _sharding
+from accum_jax import _batching, _microbatch, _options
 
 _MIB = 2**20
 _FIXES = (
@@ -156,33 +156,25 @@ def _check_budget(memory_budget_bytes: Any) -> int:
 
 
 def _local_batch_size(args: tuple[Any, ...], options: Mapping[str, Any]) -> tuple[int, int]:
-  """The batch size each device splits into microbatches, and the number of devices."""
-  batch_nums = _microbatch._as_tuple(options.get("batch_argnums", 1), "batch_argnums")
-  for n in batch_nums:
-    if n >= len(args):
-      raise ValueError(
-          f"batch_argnums={batch_nums} names argument {n}, but {len(args)} argument(s) were"
-          " given to plan with. Pass the step's arguments (arrays or"
-          " jax.ShapeDtypeStruct) after fun, or fix batch_argnums."
-      )
-  batch_size = _microbatch._batch_size({n: args[n] for n in batch_nums})
-  mesh, data_axis = options.get("mesh"), options.get("data_axis")
-  if mesh is None and data_axis is None:
-    return batch_size, 1
-  mesh, data_axis = _sharding.resolve_mesh(mesh, data_axis)
-  num_shards = int(mesh.shape[data_axis])
-  if batch_size % num_shards:
+  """The batch size each device splits into microbatches (padded), and the number of devices."""
+  parsed = _options.make(1, **options)
+  try:
+    call = _options.bind(parsed, args)
+  except ValueError as e:
     raise ValueError(
-        f"A batch of {batch_size} does not split over the {num_shards} devices of mesh"
-        f" axis {data_axis!r}. Pad the batch to a multiple of {num_shards}."
-    )
-  return batch_size // num_shards, num_shards
+        f"{e} (plan_microbatches got {len(args)} argument(s) to plan with: pass the step's"
+        " arguments, arrays or jax.ShapeDtypeStruct, after fun.)"
+    ) from e
+  return call.rows, call.num_shards
 
 
-def _check_candidates(candidates: Iterable[Any] | None, local_batch: int) -> list[int]:
-  divisors = _microbatch.divisors(local_batch)
+def _check_candidates(
+    candidates: Iterable[Any] | None, local_batch: int, pad_batch: bool
+) -> list[int]:
+  divisors = _batching.divisors(local_batch)
   if candidates is None:
-    return divisors
+    # With pad_batch any number of microbatches up to the batch size works.
+    return list(range(1, local_batch + 1)) if pad_batch else divisors
   try:
     listed = list(candidates)
   except TypeError as e:
@@ -199,10 +191,11 @@ def _check_candidates(candidates: Iterable[Any] | None, local_batch: int) -> lis
         f"candidates={listed!r}: {not_ints} are not ints >= 1. Choose among the divisors"
         f" of the batch size {local_batch} (per device): {divisors}."
     )
-  if not_divisors := [c for c in listed if local_batch % c]:
+  if not_divisors := [c for c in listed if local_batch % c and not pad_batch]:
     raise ValueError(
         f"candidates={listed!r}: {not_divisors} do not divide the batch size {local_batch}"
-        f" (per device) into equal microbatches. Choose among its divisors {divisors}."
+        f" (per device) into equal microbatches. Choose among its divisors {divisors}, or"
+        " pass pad_batch=True (with a weight_fn) to pad the batch to a multiple."
     )
   return sorted({int(c) for c in listed})
 
@@ -286,14 +279,15 @@ def plan_microbatches(
         "num_microbatches is what plan_microbatches chooses: drop it from the options"
         " (limit the choice with candidates=[...] instead)."
     )
-  # Checks the options once, before any compile.
-  _microbatch.value_and_grad(fun, 1, **value_and_grad_options)
+  _options.make(1, **value_and_grad_options)  # checks the options once, before any compile
   if memory_budget_bytes is None:
     budget = _default_budget()
   else:
     budget = _check_budget(memory_budget_bytes)
   local_batch, num_shards = _local_batch_size(args, value_and_grad_options)
-  ordered = _check_candidates(candidates, local_batch)
+  ordered = _check_candidates(
+      candidates, local_batch, bool(value_and_grad_options.get("pad_batch", False))
+  )
 
   estimates: dict[int, int] = {}
   lo, hi = 0, len(ordered)

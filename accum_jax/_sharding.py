@@ -10,10 +10,11 @@ are added once, after the loop, and normalised by the global weight.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -40,38 +41,77 @@ def resolve_mesh(mesh: Any, data_axis: str | None) -> tuple[Any, str]:
   return mesh, data_axis
 
 
+class LocalSums(NamedTuple):
+  """What one device's scan over its microbatches leaves, before normalisation.
+
+  Attributes:
+    acc: the weighted sums of ``(value, grads)``, an ``_core.Accumulator``.
+    aux_sums: per aux leaf, its running sum, or None for a per-example leaf.
+    state: the threaded state after the last microbatch (None without one).
+    per_example: per aux leaf, its outputs in batch order (``"concat"``), or
+      stacked by microbatch (``"stack"``), or None for a summed leaf.
+  """
+
+  acc: Any
+  aux_sums: list[Any]
+  state: Any
+  per_example: list[Any]
+
+
+def _is_dynamic(x: Any) -> bool:
+  return isinstance(x, (jax.Array, np.ndarray, np.generic))
+
+
 def data_parallel(
-    local_sums: Callable[..., Any],
-    finish: Callable[..., Any],
+    local_sums: Callable[..., LocalSums],
     args: tuple[Any, ...],
     *,
     batch_argnums: tuple[int, ...],
-    state_argnums: tuple[int, ...],
     mesh: Any,
     axis: str,
-) -> Any:
-  """Runs ``local_sums`` on each device's shard, reduces once, ``finish``es."""
-  in_specs = tuple(P(axis) if i in batch_argnums else P() for i in range(len(args)))
+) -> LocalSums:
+  """Runs ``local_sums`` on each device's shard of the batch; reduces once.
+
+  Sums and counts are added over the devices, a threaded state is averaged (as a
+  synchronised BatchNorm would), and per-example outputs are concatenated in
+  device order, which is batch order. Non-array leaves of the arguments (an
+  Equinox module's functions, Python objects) do not enter ``shard_map``.
+  """
+  leaves, treedef = jax.tree.flatten(args)
+  dynamic = [x if _is_dynamic(x) else None for x in leaves]
+  batch_leaf = [False] * len(leaves)
+  start = 0
+  for i, arg in enumerate(args):
+    count = len(jax.tree.leaves(arg))
+    if i in batch_argnums:
+      batch_leaf[start:start + count] = [True] * count
+    start += count
+  in_specs = [P(axis) if is_batch else P() for is_batch in batch_leaf]
   if any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
     # Under explicit sharding shard_map takes arguments only as its specs say.
-    args = jax.reshard(args, tuple(NamedSharding(mesh, spec) for spec in in_specs))
+    dynamic = [
+        None if x is None else jax.reshard(x, NamedSharding(mesh, spec))
+        for x, spec in zip(dynamic, in_specs)
+    ]
 
-  def per_device(*local_args):
-    acc, aux_acc, state, _, shapes = local_sums(local_args, shard_index=jax.lax.axis_index(axis))
+  def per_device(dynamic_leaves):
+    local = [d if d is not None else s for d, s in zip(dynamic_leaves, leaves)]
+    sums = local_sums(jax.tree.unflatten(treedef, local), jax.lax.axis_index(axis))
     # The one cross-device reduction of the call.
-    acc, aux_acc = jax.lax.psum((acc, aux_acc), axis)
-    if state_argnums:
-      # Each device threaded its own shards; their states are averaged, as a
-      # synchronised BatchNorm would.
-      state = jax.tree.map(
-          lambda s: jax.lax.pmean(s, axis) if jnp.issubdtype(s.dtype, jnp.inexact) else s,
-          state,
-      )
-    return finish(acc, aux_acc, state, None, shapes)
+    acc, aux_sums = jax.lax.psum((sums.acc, sums.aux_sums), axis)
+    state = jax.tree.map(
+        lambda s: jax.lax.pmean(s, axis) if jnp.issubdtype(s.dtype, jnp.inexact) else s,
+        sums.state,
+    )
+    return LocalSums(acc, aux_sums, state, sums.per_example)
 
+  out_specs = LocalSums(acc=P(), aux_sums=P(), state=P(), per_example=P(axis))
   # check_vma=False: the gradient of a replicated argument stays a per-device
   # partial sum until the explicit psum above, instead of being all-reduced in
-  # every iteration of the scan.
+  # every iteration of the scan. axis_names: only the data axis is manual, so
+  # parameters sharded over other mesh axes keep their sharding (and so do
+  # their gradients).
   return jax.shard_map(
-      per_device, mesh=mesh, in_specs=in_specs, out_specs=P(), check_vma=False
-  )(*args)
+      per_device, mesh=mesh, in_specs=(in_specs,), out_specs=out_specs, check_vma=False,
+      axis_names={axis},
+  )(dynamic)

@@ -1,0 +1,272 @@
+"""The options of :func:`accum_jax.value_and_grad`, validated once.
+
+:func:`make` checks every option when the microbatched function is built and
+returns an :class:`Options`; :func:`bind` resolves the argument roles of one call
+(which arguments are the batch, their size, the mesh) as a :class:`Call`. The
+planner, the parity checker and the framework front ends use the same two, so an
+option means one thing everywhere.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from accum_jax import _batching, _core, _sharding
+
+AuxReduction = Literal["mean", "sum", "stack", "concat"]
+AUX_REDUCTIONS: tuple[str, ...] = ("mean", "sum", "stack", "concat")
+
+
+class Options(NamedTuple):
+  """The checked options of one microbatched function; see ``value_and_grad``."""
+
+  num_microbatches: int
+  argnums: tuple[int, ...]
+  single_argnum: bool  # argnums was an int: grads is one pytree, not a tuple
+  batch_argnums: tuple[int, ...] | None  # None: found per call, see `bind`
+  rng_argnums: tuple[int, ...]
+  state_argnums: tuple[int, ...]  # at most one
+  has_aux: bool
+  weight_fn: Callable[..., Any] | None
+  aux_reduction: AuxReduction | None  # None: per leaf, see `_microbatch`
+  split: _batching.Split
+  pad_batch: bool
+  accumulator_dtype: Any
+  skip_nonfinite: bool
+  mesh: Any
+  data_axis: str | None
+  return_info: bool
+
+  @property
+  def data_parallel(self) -> bool:
+    return self.mesh is not None or self.data_axis is not None
+
+  def roles(self, batch_argnums: tuple[int, ...] | None = None) -> dict[str, tuple[int, ...]]:
+    """The argument numbers of each role, by option name."""
+    batch = self.batch_argnums if batch_argnums is None else batch_argnums
+    return {"argnums": self.argnums, "batch_argnums": batch or (),
+            "rng_argnums": self.rng_argnums, "state_argnums": self.state_argnums}
+
+
+class Call(NamedTuple):
+  """What one call's arguments resolve to."""
+
+  batch_argnums: tuple[int, ...]
+  batch_size: int  # before padding
+  padding: int  # rows of zeros appended to reach a multiple of the parts
+  mesh: Any  # None without data parallelism
+  data_axis: str | None
+  num_shards: int
+  rows: int  # rows of one microbatch on one device
+
+
+def argnums_tuple(argnums: Any, name: str) -> tuple[int, ...]:
+  """``argnums`` (None, an int or a sequence of ints) as a tuple; ValueError if not."""
+  if argnums is None:
+    return ()
+  if isinstance(argnums, numbers.Integral):
+    nums: tuple[Any, ...] = (argnums,)
+  elif isinstance(argnums, Sequence) and not isinstance(argnums, str):
+    nums = tuple(argnums)
+  else:
+    nums = (argnums,)
+  for n in nums:
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
+      raise ValueError(
+          f"{name}={argnums!r} must be a non-negative int or a tuple of them, e.g."
+          f" {name}=1 or {name}=(1, 2)."
+      )
+  return tuple(int(n) for n in nums)
+
+
+def _check_roles(roles: dict[str, tuple[int, ...]]) -> None:
+  names = list(roles)
+  for i, a in enumerate(names):
+    for b in names[i + 1:]:
+      if both := set(roles[a]) & set(roles[b]):
+        raise ValueError(
+            f"{a}={roles[a]} and {b}={roles[b]} both name argument(s) {sorted(both)}:"
+            " each argument has one role."
+        )
+
+
+def make(
+    num_microbatches: Any,
+    *,
+    argnums: int | Sequence[int] = 0,
+    batch_argnums: int | Sequence[int] | None = None,
+    has_aux: bool = False,
+    weight_fn: Callable[..., Any] | None = None,
+    rng_argnums: int | Sequence[int] | None = None,
+    state_argnums: int | None = None,
+    aux_reduction: AuxReduction | None = None,
+    split: _batching.Split = "contiguous",
+    pad_batch: bool = False,
+    accumulator_dtype: Any = jnp.float32,
+    skip_nonfinite: bool = True,
+    mesh: Any = None,
+    data_axis: str | None = None,
+    return_info: bool = False,
+) -> Options:
+  """Checks the options of ``value_and_grad``; raises a ValueError naming the bad one."""
+  if (n := _core.positive_int(num_microbatches)) is None:
+    raise ValueError(
+        f"num_microbatches={num_microbatches!r} must be an int >= 1 that divides the"
+        " batch size; use 1 for the whole batch at once."
+    )
+  diff = argnums_tuple(argnums, "argnums")
+  if not diff:
+    raise ValueError("argnums=() differentiates nothing: name at least one argument.")
+  batch = None if batch_argnums is None else argnums_tuple(batch_argnums, "batch_argnums")
+  if batch == ():
+    raise ValueError(
+        "batch_argnums=() names no batch: name the argument(s) to split, or leave it"
+        " None to split every positional array argument that is not differentiated."
+    )
+  state = argnums_tuple(state_argnums, "state_argnums")
+  if len(state) > 1:
+    raise ValueError(
+        f"state_argnums={state_argnums!r}: one argument can be threaded; gather the"
+        " states into one pytree."
+    )
+  options = Options(
+      num_microbatches=n, argnums=diff, single_argnum=isinstance(argnums, numbers.Integral),
+      batch_argnums=batch, rng_argnums=argnums_tuple(rng_argnums, "rng_argnums"),
+      state_argnums=state, has_aux=has_aux, weight_fn=weight_fn, aux_reduction=aux_reduction,
+      split=split, pad_batch=pad_batch,
+      accumulator_dtype=_core.canonicalize_accumulator_dtype(accumulator_dtype),
+      skip_nonfinite=skip_nonfinite, mesh=mesh, data_axis=data_axis, return_info=return_info,
+  )
+  _check_roles(options.roles())
+  _check_choices(options)
+  return options
+
+
+def _check_choices(options: Options) -> None:
+  if options.aux_reduction is not None and options.aux_reduction not in AUX_REDUCTIONS:
+    raise ValueError(
+        f"aux_reduction={options.aux_reduction!r} is not one of {AUX_REDUCTIONS}: 'mean'"
+        " and 'sum' reduce over the microbatches, 'concat' returns per-example outputs"
+        " as (batch, ...), 'stack' per-microbatch outputs as (num_microbatches, ...)."
+    )
+  if options.aux_reduction == "stack" and options.data_parallel:
+    raise ValueError(
+        "aux_reduction='stack' is not available with a mesh: per-microbatch aux differs"
+        " between devices. Use 'concat' for per-example outputs, or 'mean' or 'sum'."
+    )
+  if options.pad_batch and options.weight_fn is None:
+    raise ValueError(
+        "pad_batch=True needs weight_fn: the rows of zeros it appends must count for"
+        " nothing, so pass a weight_fn that gives them zero weight, e.g."
+        " weight_fn=lambda batch: batch['mask'].sum()."
+    )
+  if options.split not in _batching.SPLITS:
+    raise ValueError(
+        f"split={options.split!r} is not one of {_batching.SPLITS}: 'contiguous' makes"
+        " microbatch i of consecutive rows, 'strided' of rows i, i + N, i + 2N, ..."
+    )
+  if options.state_argnums and not options.has_aux:
+    raise ValueError(
+        "state_argnums needs has_aux=True: fun must return (value, (new_state, aux))."
+    )
+
+
+def is_key(x: Any) -> bool:
+  """A typed PRNG key, or a raw one (uint32[2] threefry, uint32[4] rbg)."""
+  dtype = getattr(x, "dtype", None)
+  if dtype is None:
+    return False
+  if jnp.issubdtype(dtype, jax.dtypes.prng_key):
+    return jnp.ndim(x) == 0
+  return dtype == jnp.uint32 and jnp.shape(x) in ((2,), (4,))
+
+
+def is_array(x: Any) -> bool:
+  return isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct))
+
+
+def _check_keys(keys: Any, argnum: int) -> None:
+  leaves = jax.tree.leaves(keys)
+  if not leaves or not all(is_key(leaf) for leaf in leaves):
+    bad = next((leaf for leaf in leaves if not is_key(leaf)), keys)
+    raise ValueError(
+        f"rng_argnums names argument {argnum}, which is not a PRNG key or a pytree of"
+        f" them (got {getattr(bad, 'dtype', type(bad).__name__)} of shape"
+        f" {jnp.shape(bad) if is_array(bad) else '?'}). Pass single keys such as"
+        " jax.random.key(0), or drop it from rng_argnums."
+    )
+
+
+def _looks_like_batch(arg: Any) -> bool:
+  leaves = jax.tree.leaves(arg)
+  return bool(leaves) and all(
+      is_array(x) and jnp.ndim(x) >= 1 and not is_key(x) for x in leaves
+  )
+
+
+def _find_batch(options: Options, args: tuple[Any, ...]) -> tuple[int, ...]:
+  """``batch_argnums``, or when None every positional argument that looks like a batch."""
+  if options.batch_argnums is not None:
+    return options.batch_argnums
+  taken = {*options.argnums, *options.rng_argnums, *options.state_argnums}
+  found = tuple(
+      i for i, arg in enumerate(args) if i not in taken and _looks_like_batch(arg)
+  )
+  if not found:
+    raise ValueError(
+        f"No batch to split: none of the {len(args)} positional argument(s) other than"
+        f" argnums={options.argnums} is a pytree of arrays with a leading batch axis."
+        " Pass the batch positionally (keyword arguments are never split), or name it"
+        " with batch_argnums=."
+    )
+  return found
+
+
+def _check_in_range(options: Options, batch: tuple[int, ...], num_args: int) -> None:
+  for role, nums in options.roles(batch).items():
+    for n in nums:
+      if n >= num_args:
+        raise ValueError(
+            f"{role}={nums} names argument {n}, but the function was called with"
+            f" {num_args} positional argument(s). Pass it positionally, or fix {role}."
+        )
+
+
+def _check_differentiable(options: Options, args: tuple[Any, ...]) -> None:
+  for n in options.argnums:
+    for path, leaf in jax.tree.leaves_with_path(args[n]):
+      if not is_array(leaf) and not isinstance(leaf, (int, float, complex)):
+        raise ValueError(
+            f"argnums={options.argnums} differentiates argument {n}, which holds"
+            f" {type(leaf).__name__} at {jax.tree_util.keystr(path) or 'its root'}, not an"
+            " array. For an Equinox module use accum_jax.equinox.filter_value_and_grad"
+            " (or eqx.partition the arrays out of it); for Flax NNX use"
+            " accum_jax.flax.nnx_value_and_grad."
+        )
+
+
+def bind(options: Options, args: tuple[Any, ...]) -> Call:
+  """Resolves the roles of one call's positional ``args``; ValueError if they don't fit."""
+  batch = _find_batch(options, args)
+  _check_in_range(options, batch, len(args))
+  if options.batch_argnums is None:
+    _check_roles(options.roles(batch))
+  _check_differentiable(options, args)
+  for n in options.rng_argnums:
+    _check_keys(args[n], n)
+  size = _batching.batch_size({n: args[n] for n in batch})
+  mesh, axis, num_shards = None, None, 1
+  if options.data_parallel:
+    mesh, axis = _sharding.resolve_mesh(options.mesh, options.data_axis)
+    num_shards = int(mesh.shape[axis])
+  padding = -size % (options.num_microbatches * num_shards)
+  if padding and not options.pad_batch:
+    _batching.check_divisible(size, options.num_microbatches, num_shards)
+  rows = (size + padding) // (num_shards * options.num_microbatches)
+  return Call(batch, size, padding, mesh, axis, num_shards, rows)
