@@ -36,8 +36,11 @@ def problem() -> dict[str, Any]:
           "w": rng.standard_normal((4, 16)).astype(np.float32) / 2,
           "b": rng.standard_normal(16).astype(np.float32) / 4,
       },
-      # Too small to shard over 8 devices: FSDP keeps it replicated.
-      "out": {"w": rng.standard_normal((16, 2)).astype(np.float32) / 4, "b": np.zeros(2, np.float32)},
+      "out": {
+          "w": rng.standard_normal((16, 2)).astype(np.float32) / 4,
+          # Too small to shard over 8 devices: FSDP keeps it replicated.
+          "b": np.zeros(2, np.float32),
+      },
   }
 
 
@@ -147,6 +150,7 @@ def resume(layout: str, checkpoint: str, output: str) -> None:
   import jax
   import orbax.checkpoint as ocp
 
+  import accum_jax
   from accum_jax._resume import abstract_state
 
   assert len(jax.devices()) == RESTORE_DEVICES, jax.devices()
@@ -171,7 +175,7 @@ def resume(layout: str, checkpoint: str, output: str) -> None:
     )
 
   params, state = train(params, state, range(SAVED_AFTER, EVERY_K), mesh)
-  assert int(state.optimizer_step) == 1, state.optimizer_step
+  assert int(accum_jax.optimizer_step(state)) == 1, state
   np.savez(output, *(np.asarray(x) for x in jax.tree.leaves((params, state))))
 
 
