@@ -42,6 +42,9 @@ class AccumulationState(NamedTuple):
   inner_opt_state: Any  # the inner optimizer's state, advanced only on updates
   last_updated: jax.Array  # shape=(), dtype=bool: did the last call update
   num_empty_windows: jax.Array  # shape=(), dtype=int32: windows of zero weight
+  # The window's `value=` arguments (losses) and their weights: the inner
+  # optimizer gets their weighted mean; total shape=(), dtype=float32.
+  value_accumulator: _core.Accumulator
   skip_state: Any = ()  # what MultiSteps' should_skip_update_fn reported
 
   @property
@@ -56,13 +59,20 @@ class AccumulationState(NamedTuple):
 
   @property
   def acc_grads(self) -> Any:
-    """The window's weighted gradient sum, in the accumulator dtype."""
+    """The window's weighted gradient sum, in the accumulator dtype.
+
+    For an accumulator narrower than float32 (``accumulator_dtype=None`` with
+    float16 or bfloat16 gradients), the weighted mean, as ``optax.MultiSteps``
+    keeps it: a float16 sum overflows where the mean does not.
+    """
     return self.accumulator.total
 
   @property
   def num_skipped(self) -> jax.Array:
-    """Calls skipped so far: a gradient that was not finite, a traced weight that
-    was negative or not finite, or a call a skip function rejected; int32 scalar."""
+    """Calls skipped so far: a gradient or ``value`` that was not finite, a traced
+    weight that was negative or not finite, a call a skip function rejected, or
+    the calls of a window whose weighted sum (``reduction="sum"``) overflows the
+    gradients' float16 or bfloat16 dtype; int32 scalar."""
     return self.accumulator.num_skipped
 
 
@@ -121,19 +131,51 @@ def _cast_like(new: Any, old: Any) -> Any:
   )
 
 
-def _zeros(like: jax.ShapeDtypeStruct) -> jax.Array:
-  # Under explicit sharding an array's type includes its sharding: the zeros
-  # must carry the one the emitting branch's update has.
-  sharding = like.sharding if isinstance(like.sharding, jax.sharding.NamedSharding) else None
-  return jnp.zeros(like.shape, like.dtype, out_sharding=sharding)
-
-
-def _check_flush(flush: Any) -> None:
+def _check_flush(flush: Any) -> jax.Array:
+  """``flush`` as a bool scalar; None (as for ``weight``) means no flush."""
+  if flush is None:
+    return jnp.array(False)
   if jnp.ndim(flush) != 0:
     raise ValueError(
         f"flush must be a scalar bool (True on the last call of an epoch), got an array"
         f" of shape {jnp.shape(flush)}."
     )
+  dtype = jnp.result_type(flush)
+  if not (jnp.issubdtype(dtype, jnp.bool_) or jnp.issubdtype(dtype, jnp.integer)):
+    raise ValueError(
+        f"flush must be a bool (True on the last call of an epoch), got a value of dtype"
+        f" {dtype}: {flush!r}. Pass a Python bool or a bool array, e.g."
+        " flush=step == steps_per_epoch - 1."
+    )
+  return jnp.asarray(flush, bool)
+
+
+# Extra arguments of `update` that describe this call's batch: the inner optimizer
+# gets the window's, not the emitting call's. `value` (the loss, for polyak_sgd,
+# reduce_on_plateau, line searches) is reduced over the window's kept calls like
+# the gradient; `grad` (line searches: the gradient at `params`) is the window's
+# gradient itself. Every other extra argument (`value_fn`, hyperparameters...) is
+# taken from the emitting call.
+WINDOW_ARGS = ("value", "grad")
+
+
+def _check_value(value: Any) -> None:
+  if jnp.ndim(value) != 0:
+    raise ValueError(
+        f"value must be a scalar loss (this call's), got an array of shape"
+        f" {jnp.shape(value)}. Pass the mean loss of the microbatch, e.g."
+        " value=loss where loss, grads = jax.value_and_grad(loss_fn)(params, batch)."
+    )
+
+
+def _restart_where(done: jax.Array, acc: _core.Accumulator) -> _core.Accumulator:
+  """``acc`` emptied where ``done`` (its skip count kept): a select, no copy."""
+  return _core.Accumulator(
+      total=jax.tree.map(lambda t: jnp.where(done, jnp.zeros((), t.dtype), t), acc.total),
+      weight=jnp.where(done, 0.0, acc.weight),
+      count=jnp.where(done, 0, acc.count),
+      num_skipped=acc.num_skipped,
+  )
 
 
 def _no_skip(updates: Any, gradient_step: jax.Array, params: Any):
@@ -170,59 +212,87 @@ def _accumulate(
         inner_opt_state=inner.init(params),
         last_updated=jnp.array(False),
         num_empty_windows=jnp.zeros((), jnp.int32),
+        value_accumulator=_core.init(jnp.zeros((), jnp.float32), jnp.float32),
         skip_state=skip_state,
     )
 
   def update_fn(updates, state, params=None, *, weight=None, flush=False, **extra_args):
     _check_tree_matches(updates, state.accumulator.total)
     _check_weight(weight)
-    _check_flush(flush)
+    flush = _check_flush(flush)
+    value = extra_args.pop("value", None)
+    # A line search's gradient at `params` is the window's gradient.
+    window_grad = extra_args.pop("grad", None) is not None
+    if value is not None:
+      _check_value(value)
+      value = jnp.asarray(value)
     should_skip, skip_state = skip_fn(updates, state.optimizer_step, params)
-    accumulator, _ = _core.add(
-        state.accumulator,
-        updates,
-        weight,
-        skip_nonfinite=skip_nonfinite,
-        accept=~jnp.asarray(should_skip, bool),
+    accept = ~jnp.asarray(should_skip, bool)
+    if value is not None and skip_nonfinite:
+      # A NaN loss is bad data as much as a NaN gradient (and would poison the
+      # window's mean loss): the call is skipped.
+      accept = accept & jnp.isfinite(value)
+    accumulator, kept = _core.add(
+        state.accumulator, updates, weight, skip_nonfinite=skip_nonfinite, accept=accept
     )
+    value_accumulator = state.value_accumulator
+    if value is not None:
+      value_accumulator, _ = _core.add(
+          value_accumulator, value, weight, skip_nonfinite=False, accept=kept
+      )
     every = jnp.asarray(schedule(state.optimizer_step), jnp.int32)
-    window_done = (accumulator.count >= every) | jnp.asarray(flush, bool)
+    window_done = (accumulator.count >= every) | flush
     apply = window_done & (accumulator.weight > 0)
+    if reduction == "sum":
+      # A float16 sum beyond 65504 would reach the inner optimizer as inf: the
+      # window is dropped and its calls counted as skipped, like non-finite ones.
+      overflows = apply & ~_core.sum_fits(accumulator, updates)
+      apply = apply & ~overflows
+      accumulator = accumulator._replace(
+          num_skipped=accumulator.num_skipped
+          + jnp.where(overflows, accumulator.count, 0).astype(jnp.int32)
+      )
 
-    def inner_update(inner_state, window):
+    def inner_update(inner_state, window, value_window):
       grads = _core.result(window, updates, reduction)
-      return inner.update(grads, inner_state, params, **extra_args)
+      window_args = {}
+      if value is not None:
+        window_args["value"] = _core.result(value_window, value, reduction)
+      if window_grad:
+        window_args["grad"] = grads
+      return inner.update(grads, inner_state, params, **extra_args, **window_args)
 
     # The shapes, dtypes and shardings of the inner update, for the zeros of
     # the other branch (an abstract trace; nothing is computed).
-    update_shapes, _ = jax.eval_shape(inner_update, state.inner_opt_state, accumulator)
+    update_shapes, _ = jax.eval_shape(
+        inner_update, state.inner_opt_state, accumulator, value_accumulator
+    )
 
-    # Both branches hand the window through, so emptying it costs nothing on
-    # the calls that only accumulate.
-    def emit(inner_state, window):
-      new_updates, new_inner_state = inner_update(inner_state, window)
-      return new_updates, _cast_like(new_inner_state, inner_state), _core.empty(window)
+    def emit(inner_state, window, value_window):
+      new_updates, new_inner_state = inner_update(inner_state, window, value_window)
+      return new_updates, _cast_like(new_inner_state, inner_state)
 
-    def hold(inner_state, window):
-      zeros = jax.tree.map(_zeros, update_shapes)
-      return zeros, inner_state, window
+    def hold(inner_state, window, value_window):
+      del window, value_window
+      return jax.tree.map(_core.zeros_like, update_shapes), inner_state
 
     # A conditional, not a select: the inner update is not computed at all on
-    # the calls that only accumulate.
-    new_updates, inner_state, accumulator = jax.lax.cond(
-        apply, emit, hold, state.inner_opt_state, accumulator
+    # the calls that only accumulate. Only the inner state goes through it; the
+    # window is read there and emptied outside, by a select that fuses with the
+    # addition above, so that no call copies the window as a branch's output.
+    new_updates, inner_state = jax.lax.cond(
+        apply, emit, hold, state.inner_opt_state, accumulator, value_accumulator
     )
     # A window that ends with zero total weight holds nothing to apply (its
     # sum is zero too); it restarts, and is counted.
-    empty_window = window_done & ~apply & (accumulator.count > 0)
+    empty_window = window_done & ~apply & (accumulator.count > 0) & (accumulator.weight == 0)
     return new_updates, AccumulationState(
-        accumulator=accumulator._replace(
-            count=jnp.where(window_done & ~apply, 0, accumulator.count)
-        ),
+        accumulator=_restart_where(window_done, accumulator),
         optimizer_step=state.optimizer_step + apply.astype(jnp.int32),
         inner_opt_state=inner_state,
         last_updated=apply,
         num_empty_windows=state.num_empty_windows + empty_window.astype(jnp.int32),
+        value_accumulator=_restart_where(window_done, value_accumulator),
         skip_state=skip_state,
     )
 
@@ -265,20 +335,43 @@ def accumulate(
       recompile.
     reduction: ``"mean"`` (default) divides the accumulated gradient by the
       total weight; ``"sum"`` passes the weighted sum.
-    accumulator_dtype: dtype of the running sum; float32 by default, so that
-      bfloat16 gradients are summed without loss. None keeps the parameters'
-      dtype.
+    accumulator_dtype: the least precision of the running sum; each leaf
+      accumulates in the promotion of this and its gradient's dtype. float32 by
+      default, so that bfloat16 gradients are summed without loss (complex64
+      gradients accumulate in complex64, float64 ones in float64). None keeps
+      the gradients' dtype; a float16 or bfloat16 accumulator then holds the
+      window's running weighted mean (computed in float32, rounded once per
+      call), which stays finite where a float16 sum would overflow. Weights
+      and their total are float32 whatever this is.
     skip_nonfinite: skip (and count in ``state.num_skipped``) a call whose
-      gradient holds NaN or Inf; its update is zeros and nothing accumulated
-      is lost. A window that ends with zero total weight (all its calls had
-      weight 0) applies nothing and is counted in ``state.num_empty_windows``.
+      gradient (or ``value``) holds NaN or Inf; its update is zeros and nothing
+      accumulated is lost. A window that ends with zero total weight (all its
+      calls had weight 0) applies nothing and is counted in
+      ``state.num_empty_windows``. With ``reduction="sum"``, a window whose
+      sum overflows the gradients' float16 or bfloat16 dtype applies nothing
+      and its calls are counted as skipped.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``. Its ``update(grads, state,
     params=None, *, weight=None, flush=False, **extra_args)`` takes a scalar
-    ``weight`` for this call's gradient, and ``flush`` (a Python or traced bool)
-    to update now with what the window holds, normalised by what it holds: the
-    last, partial window of an epoch. Other keyword arguments reach ``inner``.
+    ``weight`` for this call's gradient, and ``flush`` (a Python or traced bool;
+    None counts as False, as None does for ``weight``) to update now with what
+    the window holds, normalised by what it holds: the last, partial window of
+    an epoch. Other keyword arguments reach ``inner``, on the emitting call:
+
+    - ``value`` (this call's loss; ``optax.polyak_sgd``,
+      ``optax.contrib.reduce_on_plateau``, line searches) is reduced over the
+      window like the gradient: ``inner`` gets the weighted mean of the values
+      of the window's kept calls (skipped calls excluded), the full batch's
+      loss. A call whose ``value`` is not finite is skipped.
+    - ``grad`` (a line search's gradient at ``params``) is replaced by the
+      window's gradient.
+    - Everything else, ``value_fn`` included, is the emitting call's. A line
+      search (``optax.scale_by_zoom_linesearch``, ``optax.lbfgs``) evaluates
+      ``value_fn`` at trial parameters: it is exact only if that ``value_fn``
+      computes the loss of the whole window's data, which the emitting call
+      must then hold.
+
     Call it under ``jax.jit``: eagerly, every call traces and compiles anew.
 
   Raises:
@@ -328,6 +421,12 @@ def every_k_schedule(
     >>> [int(schedule(jnp.int32(s))) for s in (0, 9, 10, 99, 100, 5000)]
     [1, 1, 4, 4, 8, 8]
   """
+  if not isinstance(boundaries, Mapping):
+    raise ValueError(
+        f"boundaries={boundaries!r} is a {type(boundaries).__name__}, not a mapping: pass a"
+        " dict from optimizer steps to window lengths, e.g. {0: 1, 1000: 4}"
+        " (dict(pairs) turns a list of (step, k) pairs into one)."
+    )
   if not boundaries:
     raise ValueError(
         "boundaries is empty: pass a mapping such as {0: 1, 1000: 4}, from an"
@@ -338,7 +437,17 @@ def every_k_schedule(
       raise ValueError(
           f"boundaries has the key {step!r}: keys are optimizer steps, ints >= 0."
       )
-    _check_every_k(k, f"boundaries[{step}]")
+    if _core.positive_int(k) is None:
+      hint = (
+          " To compute k from the step with a function, pass the function itself as"
+          " every_k (accumulate(inner, every_k=fn))."
+          if callable(k)
+          else ""
+      )
+      raise ValueError(
+          f"boundaries[{step}]={k!r} must be an int >= 1, the number of calls per"
+          f" update from optimizer step {step} on.{hint}"
+      )
   steps = sorted(boundaries)
   starts = jnp.array(steps, jnp.int32)
   ks = jnp.array([1] + [int(boundaries[s]) for s in steps], jnp.int32)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import itertools
 import re
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -119,10 +120,20 @@ def test_clipping_applies_to_the_accumulated_gradient():
   )
   mean = np.array([2.0, 0.25])
   clipped_mean = mean / np.linalg.norm(mean)
-  tree_allclose(unstack_tree(updates)[1], {"w": -clipped_mean})
-  # Clipping each microbatch, then averaging, would give another update.
+  inside = unstack_tree(updates)[1]["w"]
+  tree_allclose(inside, -clipped_mean)
+  # Clipping outside accumulate clips each call, then averages: another update,
+  # which the update above must not be.
+  _, outside_updates, _ = scan_updates(
+      optax.chain(optax.clip_by_global_norm(1.0), accum_jax.accumulate(optax.sgd(1.0), 2)),
+      params,
+      stack_trees([g1, g2]),
+      apply_updates=False,
+  )
+  outside = unstack_tree(outside_updates)[1]["w"]
   mean_of_clipped = (np.array([1.0, 0.0]) + np.array([0.0, 0.5])) / 2
-  assert not np.allclose(mean_of_clipped, clipped_mean, rtol=0.1)
+  tree_allclose(outside, -mean_of_clipped)
+  assert not np.allclose(inside, outside, rtol=0.1)
 
 
 _ADAM_K2 = accum_jax.accumulate(optax.adam(1e-2), 2)
@@ -489,6 +500,14 @@ def test_every_k_schedule_values():
         pytest.param({0: 0}, "boundaries[0]=0 must be an int >= 1", id="zero k"),
         pytest.param({0: 1, 10: 2.5}, "boundaries[10]=2.5 must be an int >= 1", id="float k"),
         pytest.param({0: True}, "boundaries[0]=True must be an int >= 1", id="bool k"),
+        pytest.param(
+            [(0, 2)], "boundaries=[(0, 2)] is a list, not a mapping", id="list of pairs"
+        ),
+        pytest.param(
+            {0: _lr_schedule},
+            "pass the function itself as every_k",
+            id="callable k",
+        ),
     ],
 )
 def test_every_k_schedule_errors(boundaries, message):
@@ -521,15 +540,15 @@ def test_float32_accumulator_sums_many_bf16_gradients_accurately():
   np.testing.assert_allclose(np.asarray(emitted, np.float32), exact, rtol=0)
 
 
-def test_bf16_accumulator_works_but_loses_precision():
+def test_bf16_accumulator_keeps_the_running_mean_in_bf16():
   exact, results = _sum_many_bf16(1024)
   emitted, state = results[None]
   assert emitted.dtype == jnp.bfloat16
   assert state.acc_grads["w"].dtype == jnp.bfloat16
-  # A bfloat16 running sum stops growing once 0.01 is below half its spacing
-  # (at 4): the mean comes out near 4 / 1024, not 0.01.
-  relative_error = np.abs(np.asarray(emitted, np.float32) - exact) / exact
-  assert np.all(relative_error > 0.5)
+  # A bfloat16 running *sum* stops growing once 0.01 is below half its spacing
+  # (at 4), and would give about 4 / 1024; the running mean of equal values is
+  # that value.
+  np.testing.assert_allclose(np.asarray(emitted, np.float32), exact, rtol=0)
 
 
 @pytest.mark.parametrize("params_dtype", [jnp.float32, jnp.bfloat16], ids=dtype_id)
@@ -672,6 +691,193 @@ def test_repeated_jitted_calls_compile_once():
     updates, state = step(g, state, params, jnp.float32(i % 3), jnp.array(i == 5))
     params = optax.apply_updates(params, updates)
   assert step._cache_size() == 1
+
+
+# ---------------------------------------------------------------------------
+# 11b. Per-batch extra arguments: value and grad are the window's.
+
+
+class _SeenState(NamedTuple):
+  value: jax.Array
+  grad: Any
+
+
+def _record_value_and_grad():
+  """An inner transformation whose state records the value and grad it was given."""
+
+  def init(params):
+    return _SeenState(jnp.zeros((), jnp.float32), _zeros_like(params))
+
+  def update(updates, state, params=None, *, value, grad=None, **extra_args):
+    del state, params, extra_args
+    return updates, _SeenState(jnp.asarray(value, jnp.float32), grad)
+
+  return optax.GradientTransformationExtraArgs(init, update)
+
+
+@functools.cache
+def _value_recorder(k, reduction="mean"):
+  return accum_jax.accumulate(_record_value_and_grad(), k, reduction=reduction)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_value_and_grad_given_to_the_inner_optimizer_are_the_windows(reduction):
+  k = 4
+  params = make_params()
+  grads = microbatch_grads(params, 2 * k + 1)
+  grads[1] = _nan_like(grads[1])  # skipped: its value must not count
+  values = [1.0, 100.0, 3.0, 5.0, 2.0, float("nan"), 4.0, 8.0, 6.0, 7.0]
+  weights = [1.0, 1.0, 2.0, 0.5, 1.0, 1.0, 3.0, 1.0, 1.0, 0.5]
+  grads.insert(5, grads[4])  # a finite gradient with a NaN value: skipped too
+  _, _, states = scan_updates(
+      _value_recorder(k, reduction),
+      params,
+      stack_trees(grads),
+      {
+          "weight": jnp.array(weights),
+          "value": jnp.array(values),
+          # A line search's `grad`, as the emitting call would pass it: replaced.
+          "grad": stack_trees(grads),
+      },
+      apply_updates=False,
+  )
+  seen = states.inner_opt_state
+  kept = [[0, 2, 3, 4], [6, 7, 8, 9]]
+  emitting = [4, 9]
+  assert _bools(states.last_updated) == [i in emitting for i in range(10)]
+  assert _ints(states.num_skipped) == [0, 1, 1, 1, 1, 2, 2, 2, 2, 2]
+  for call, window in zip(emitting, kept):
+    w = [weights[i] for i in window]
+    expected_value = np.average([values[i] for i in window], weights=w)
+    expected_grad = tree_weighted_mean([grads[i] for i in window], w)
+    if reduction == "sum":
+      expected_value, expected_grad = sum(w) * expected_value, _scaled(sum(w), expected_grad)
+    np.testing.assert_allclose(seen.value[call], expected_value, rtol=1e-6)
+    tree_allclose(jax.tree.map(lambda x, call=call: x[call], seen.grad), expected_grad)
+
+
+def test_value_must_be_a_scalar():
+  opt = _value_recorder(2)
+  params = make_params()
+  state = jax.eval_shape(opt.init, params)
+  with pytest.raises(ValueError, match=re.escape("value must be a scalar loss")):
+    jax.eval_shape(lambda s: opt.update(params, s, params, value=jnp.ones(3)), state)
+
+
+def test_flush_none_is_no_flush_and_a_float_flush_is_an_error():
+  opt = _identity_accumulated(2)
+  g1, g2 = microbatch_grads(make_params(), 2)
+
+  @jax.jit
+  def two_calls(g1, g2):
+    state = opt.init(g1)
+    held, state = opt.update(g1, state, flush=None)
+    emitted, state = opt.update(g2, state, flush=None)
+    return held, emitted
+
+  held, emitted = two_calls(g1, g2)
+  _assert_zeros(held)
+  tree_allclose(emitted, tree_weighted_mean([g1, g2]))
+  state = jax.eval_shape(opt.init, g1)
+  with pytest.raises(ValueError, match=re.escape("flush must be a bool")):
+    opt.update(g1, state, flush=0.5)
+
+
+# ---------------------------------------------------------------------------
+# 11c. Narrow accumulators and complex parameters.
+
+
+def test_float16_window_with_a_total_weight_of_1e5_applies_the_weighted_mean():
+  # 1000 tokens x a gradient of 100, and a window weighing 1e5 in all: beyond
+  # float16 as sums, finite as a mean.
+  params = {"w": jnp.zeros(2, jnp.float16)}
+  grads = {"w": jnp.array([[-100.0, 3.0], [-50.0, 1.0], [20.0, -2.0], [-100.0, 0.5]], jnp.float16)}
+  weights = jnp.array([1000.0, 49000.0, 30000.0, 20000.0])
+  for accumulator_dtype in (None, jnp.float16, jnp.float32):
+    opt = _identity_accumulated(4, accumulator_dtype=accumulator_dtype)
+    _, updates, states = scan_updates(
+        opt, params, grads, {"weight": weights}, apply_updates=False
+    )
+    expected = np.average(np.asarray(grads["w"], np.float64), axis=0, weights=weights)
+    np.testing.assert_allclose(
+        np.asarray(updates["w"][-1], np.float64), expected, rtol=4e-3, atol=1e-3
+    )
+    assert int(states.num_skipped[-1]) == 0
+    assert float(states.accumulator.weight[-2]) == 1e5 - 20000.0
+
+
+def test_a_float16_sum_that_overflows_is_skipped_and_counted():
+  params = {"w": jnp.zeros(1, jnp.float16)}
+  grads = {"w": jnp.array([[30000.0], [30000.0], [30000.0], [1.0], [2.0], [3.0]], jnp.float16)}
+  for accumulator_dtype in (None, jnp.float32):
+    opt = _identity_accumulated(3, reduction="sum", accumulator_dtype=accumulator_dtype)
+    _, updates, states = scan_updates(opt, params, grads, apply_updates=False)
+    # The first window sums to 90000: not applied, its three calls skipped.
+    assert _bools(states.last_updated) == [False, False, False, False, False, True]
+    assert _ints(states.num_skipped) == [0, 0, 3, 3, 3, 3]
+    np.testing.assert_array_equal(np.asarray(updates["w"], np.float32)[:, 0], [0, 0, 0, 0, 0, 6])
+    assert _ints(states.optimizer_step) == [0, 0, 0, 0, 0, 1]
+
+
+def _complex_loss(params, batch):
+  residual = batch["x"] @ params["z"] - batch["y"]
+  return jnp.mean(jnp.abs(residual) ** 2) + jnp.sum(params["r"] ** 2)
+
+
+def _complex_problem():
+  rng = np.random.default_rng(0)
+  params = {
+      "z": jnp.asarray(rng.standard_normal(3) + 1j * rng.standard_normal(3), jnp.complex64),
+      "r": jnp.asarray(rng.standard_normal(2), jnp.float32),
+  }
+  batch = {
+      "x": jnp.asarray(rng.standard_normal((8, 3)) + 1j * rng.standard_normal((8, 3)),
+                       jnp.complex64),
+      "y": jnp.asarray(rng.standard_normal(8) - 1j * rng.standard_normal(8), jnp.complex64),
+  }
+  return params, batch
+
+
+@pytest.mark.parametrize(
+    "make_inner",
+    [
+        pytest.param(lambda: optax.adam(1e-1), id="adam"),
+        pytest.param(
+            lambda: optax.contrib.split_real_and_imaginary(optax.adam(1e-1)),
+            id="split_real_and_imaginary(adam)",
+        ),
+    ],
+)
+def test_complex_parameters_match_the_full_batch_through_both_doors(make_inner):
+  k, steps = 4, 3
+  params, batch = _complex_problem()
+  microbatches = jax.tree.map(lambda x: x.reshape(k, -1, *x.shape[1:]), batch)
+  opt, inner = accum_jax.accumulate(make_inner(), k), make_inner()
+  microbatched = accum_jax.value_and_grad(_complex_loss, num_microbatches=k)
+
+  @jax.jit
+  def run(params):
+    ours, ours_inside, reference = params, params, params
+    state, inside_state, ref_state = opt.init(params), inner.init(params), inner.init(params)
+    for _ in range(steps):
+      for i in range(k):
+        mb = jax.tree.map(lambda x, i=i: x[i], microbatches)
+        g = jax.grad(_complex_loss)(ours, mb)
+        updates, state = opt.update(g, state, ours)
+        ours = optax.apply_updates(ours, updates)
+      _, g = microbatched(ours_inside, batch)
+      updates, inside_state = inner.update(g, inside_state, ours_inside)
+      ours_inside = optax.apply_updates(ours_inside, updates)
+      g = jax.grad(_complex_loss)(reference, batch)
+      updates, ref_state = inner.update(g, ref_state, reference)
+      reference = optax.apply_updates(reference, updates)
+    return ours, ours_inside, reference, state.acc_grads
+
+  ours, ours_inside, reference, acc_grads = run(params)
+  assert acc_grads["z"].dtype == jnp.complex64
+  assert np.any(np.asarray(reference["z"]).imag != np.asarray(params["z"]).imag)
+  tree_allclose(ours, reference)
+  tree_allclose(ours_inside, reference)
 
 
 # ---------------------------------------------------------------------------
