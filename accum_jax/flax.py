@@ -23,9 +23,13 @@ Step counters: ``TrainState.step`` and ``nnx.Optimizer.step`` count calls;
 from __future__ import annotations
 
 import functools
+import inspect
+import numbers
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+import jax
+import numpy as np
 import optax
 from flax import nnx
 from flax.training import train_state
@@ -34,7 +38,7 @@ from accum_jax import _microbatch
 
 TrainStateT = TypeVar("TrainStateT", bound=train_state.TrainState)
 
-__all__ = ("apply_gradients", "nnx_value_and_grad")
+__all__ = ("apply_gradients", "nnx_grad", "nnx_value_and_grad")
 
 
 def apply_gradients(state: TrainStateT, *, grads: Any, **update_kwargs: Any) -> TrainStateT:
@@ -74,73 +78,128 @@ def apply_gradients(state: TrainStateT, *, grads: Any, **update_kwargs: Any) -> 
   return state.replace(tx=bound).apply_gradients(grads=grads).replace(tx=tx)
 
 
-def _shift(argnums: int | Sequence[int] | None, name: str) -> tuple[int, ...] | None:
-  """Renumbers argnums of ``fun(model, *args)`` for ``pure(params, rest, *args)``."""
-  if argnums is None:
-    return None
-  nums = _microbatch._as_tuple(argnums, name)
-  if 0 in nums:
-    raise ValueError(
-        f"{name}={argnums!r} names argument 0, the model. The model is split into"
-        " its parameters (differentiated) and its other state (threaded through the"
-        " microbatches); name the arguments after it."
-    )
-  return tuple(n + 1 for n in nums)
+def _argnum_tuple(value: Any, name: str) -> tuple[int, ...]:
+  """``value`` (an int or a sequence of ints) as a tuple, or a ValueError naming ``name``."""
+  nums = (value,) if isinstance(value, numbers.Integral) else value
+  try:
+    nums = tuple(nums)
+  except TypeError:
+    nums = (None,)
+  if any(isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0 for n in nums):
+    raise ValueError(f"{name}={value!r} must be a non-negative int or a tuple of them.")
+  return tuple(int(n) for n in nums)
+
+
+def _holds_graph_node(arg: Any) -> bool:
+  """Whether ``arg`` is, or is a pytree holding, an NNX graph node or Variable."""
+  is_node = nnx.graph.is_graph_node
+  return any(is_node(leaf) for leaf in jax.tree.leaves(arg, is_leaf=is_node))
+
+
+def _is_batch(arg: Any) -> bool:
+  """Whether every leaf of ``arg`` is an array with a leading (batch) axis."""
+  leaves = jax.tree.leaves(arg)
+  return bool(leaves) and all(
+      isinstance(leaf, jax.Array | np.ndarray) and leaf.ndim >= 1 for leaf in leaves
+  )
+
+
+def _positional(fun: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+  """Moves keyword arguments that ``fun`` could take by position into ``args``.
+
+  ``nnx.value_and_grad`` does the same, so ``vg(model=model, batch=batch)`` works
+  and argnums count such arguments.
+  """
+  if not kwargs:
+    return args, kwargs
+  try:
+    bound = inspect.signature(fun).bind(*args, **kwargs)
+  except (TypeError, ValueError):  # no signature, or a call fun itself rejects
+    return args, kwargs
+  return bound.args, bound.kwargs
+
+
+def _kind(arg: Any) -> str:
+  return f"{type(arg).__name__} (an NNX graph node)"
 
 
 def nnx_value_and_grad(
     fun: Callable[..., Any],
     num_microbatches: int,
     *,
+    argnums: int | Sequence[int] = 0,
     wrt: Any = nnx.Param,
     has_aux: bool = False,
-    batch_argnums: int | Sequence[int] = 1,
+    batch_argnums: int | Sequence[int] | None = None,
     rng_argnums: int | Sequence[int] | None = None,
     **options: Any,
 ) -> Callable[..., Any]:
-  """``nnx.value_and_grad(fun)`` over microbatches, for ``fun(model, *args)``.
+  """``nnx.value_and_grad(fun)`` over microbatches.
 
-  The model is split into the variables ``wrt`` selects (differentiated) and
-  all its other state (BatchNorm statistics, ``nnx.Rngs`` counters...), which
-  :func:`accum_jax.value_and_grad` threads through the microbatches in order
-  and which is written back into the model afterwards, as
-  ``nnx.value_and_grad`` writes back what ``fun`` changed::
+  Every argument that is, or holds, an NNX graph node (the model, an
+  ``nnx.Rngs``, an ``nnx.MultiMetric``, any module of ``nnx.Variable``\\ s) is
+  handled as ``nnx.value_and_grad`` handles it: the ``wrt`` variables of the
+  ``argnums`` arguments are differentiated, and the state of all graph-node
+  arguments (BatchNorm statistics, ``nnx.Rngs`` counts, metric totals...) is
+  threaded through the microbatches in order and written back afterwards::
 
-    graphdef, params, rest = nnx.split(model, wrt, ...)
-    for mb in split(batch, num_microbatches):       # a lax.scan
-      model_i = nnx.merge(graphdef, params, rest)
-      L_i, g_i = value_and_grad(fun)(model_i, mb)   # w.r.t. params
-      rest = the state of model_i after the call
-    nnx.update(model, rest)
+    graphdef, diff, state = nnx.split(graph_node_args, wrt of argnums, ...)
+    for mb in split(batch, num_microbatches):          # a lax.scan
+      nodes = nnx.merge(graphdef, diff, state)
+      L_i, g_i = value_and_grad(fun)(*nodes, mb)     # w.r.t. diff
+      state = the state of nodes after the call
+    nnx.update(graph_node_args, state)
     return mean(L_i), mean(g_i)
 
-  Dropout driven by the model's own ``nnx.Rngs`` therefore draws a new key
-  for each microbatch, exactly as ``num_microbatches`` sequential calls would.
+  An ``nnx.Rngs`` (passed as an argument or held by the model) therefore draws
+  new keys for each microbatch and BatchNorm statistics update microbatch by
+  microbatch, exactly as ``num_microbatches`` sequential ``nnx.value_and_grad``
+  calls would. All graph-node arguments are split and merged together, so an
+  object held by two of them (the same ``nnx.Rngs`` in the model and passed as
+  an argument) stays one object. The splitting, weighting and reduction are
+  :func:`accum_jax.value_and_grad`'s, which this calls with the graph nodes'
+  differentiated variables as ``argnums`` and their other state, gathered into
+  one pytree, as ``state_argnums``.
+
+  Argument numbers, here and in errors, are those of ``fun``. Keyword arguments
+  that ``fun`` can take by position count as positional (as in
+  ``nnx.value_and_grad``); keyword-only ones reach ``fun`` unsplit.
 
   Args:
-    fun: ``fun(model, *args)`` returning a scalar loss, or ``(loss, aux)`` with
-      ``has_aux``. It may update the model's non-``wrt`` state, but not add or
-      remove variables (no ``sow``), as the state is a ``lax.scan`` carry.
+    fun: ``fun(*args)`` returning a scalar loss, or ``(loss, aux)`` with
+      ``has_aux``. It may update the state of its graph-node arguments, but not
+      add or remove variables (no ``sow``), as that state is a ``lax.scan``
+      carry.
     num_microbatches: the number of microbatches, an int >= 1 dividing the batch.
-    wrt: the filter of the variables to differentiate, as for
-      ``nnx.Optimizer(..., wrt=...)``; ``nnx.Param`` by default.
+    argnums: which argument(s) to differentiate: graph nodes (their ``wrt``
+      variables) or arrays. An int gives one gradient, a tuple a tuple.
+    wrt: the filter of the variables to differentiate in graph-node
+      ``argnums``, as for ``nnx.Optimizer(..., wrt=...)``; ``nnx.Param`` by default.
     has_aux: ``fun`` returns ``(loss, aux)``.
-    batch_argnums: which arguments of ``fun`` are batches (never 0, the model).
-    rng_argnums: arguments of ``fun`` holding a PRNG key to fold the microbatch
-      index into, for randomness passed by argument rather than held in the model.
+    batch_argnums: which arguments are batches, split along axis 0. By default
+      (None), every argument that is not in ``argnums`` or ``rng_argnums``,
+      holds no graph node, and whose leaves are all arrays with a leading axis,
+      so ``fun(model, rngs, batch)`` and ``fun(model, x, y)`` need none.
+    rng_argnums: arguments holding a raw PRNG key (``jax.random.key``) to fold
+      the microbatch index into. An ``nnx.Rngs`` needs none: its count advances.
     **options: other options of :func:`accum_jax.value_and_grad`, such as
-      ``weight_fn``, ``aux_reduction``, ``accumulator_dtype``, ``return_info``.
+      ``weight_fn``, ``aux_reduction`` (``"stack"`` keeps per-microbatch
+      logits for metrics), ``accumulator_dtype``, ``return_info``.
 
   Returns:
-    A function of ``(model, *args)`` returning ``loss, grads`` (or
-    ``(loss, aux), grads``), with ``grads`` an ``nnx.State`` of the ``wrt``
-    variables, ready for ``nnx.Optimizer.update``; a
-    :class:`accum_jax.MicrobatchInfo` third with ``return_info=True``.
+    A function of ``fun``'s arguments returning ``loss, grads`` (or ``(loss,
+    aux), grads``), as ``nnx.value_and_grad`` does: the gradient of a graph
+    node is an ``nnx.State`` of its ``wrt`` variables, ready for
+    ``nnx.Optimizer.update``; a :class:`accum_jax.MicrobatchInfo` third with
+    ``return_info=True``.
 
   Raises:
-    ValueError: for ``argnums`` or ``state_argnums`` in ``options`` (the model
-      fixes both), and ``batch_argnums`` or ``rng_argnums`` naming the model;
-      otherwise as :func:`accum_jax.value_and_grad`.
+    ValueError: at construction, for ``state_argnums`` in ``options`` (the
+      graph nodes fix it), malformed or overlapping argnums, an invalid
+      ``wrt`` filter, and the options :func:`accum_jax.value_and_grad` rejects;
+      when called, for argnums out of range, ``batch_argnums`` or
+      ``rng_argnums`` naming a graph node, no batch found, or a graph node
+      passed by keyword; otherwise as :func:`accum_jax.value_and_grad`.
 
   Examples:
     >>> import jax.numpy as jnp, optax, accum_jax.flax
@@ -149,48 +208,203 @@ def nnx_value_and_grad(
     >>> def loss_fn(model, x, y):
     ...   return jnp.mean((model(x)[:, 0] - y) ** 2)
     >>> x, y = jnp.arange(24.0).reshape(8, 3) / 24, jnp.ones(8)
-    >>> vg = accum_jax.flax.nnx_value_and_grad(loss_fn, 4, batch_argnums=(1, 2))
+    >>> vg = accum_jax.flax.nnx_value_and_grad(loss_fn, num_microbatches=4)
     >>> loss, grads = nnx.jit(vg)(model, x, y)
     >>> full_loss, full_grads = nnx.value_and_grad(loss_fn)(model, x, y)
     >>> bool(jnp.allclose(loss, full_loss)), bool(jnp.allclose(grads["kernel"][...],
     ...                                                         full_grads["kernel"][...]))
     (True, True)
   """
-  for fixed in ("argnums", "state_argnums"):
-    if fixed in options:
+  if "state_argnums" in options:
+    raise ValueError(
+        f"nnx_value_and_grad got state_argnums={options['state_argnums']!r}: the state"
+        " of every NNX graph-node argument (a model, nnx.Rngs, metrics) is threaded"
+        " through the microbatches already. Drop state_argnums, and hold the state"
+        " in an nnx.Module or nnx.Variable passed as an argument."
+    )
+  diff_nums = _argnum_tuple(argnums, "argnums")
+  batch_nums = None if batch_argnums is None else _argnum_tuple(batch_argnums, "batch_argnums")
+  rng_nums = () if rng_argnums is None else _argnum_tuple(rng_argnums, "rng_argnums")
+  if not diff_nums:
+    raise ValueError("argnums=() differentiates nothing: name at least one argument.")
+  if batch_nums == ():
+    raise ValueError(
+        "batch_argnums=() names no batch: name the argument(s) to split, or leave"
+        " batch_argnums=None to take every array argument with a leading axis."
+    )
+  roles = {"argnums": diff_nums, "batch_argnums": batch_nums or (), "rng_argnums": rng_nums}
+  names = list(roles)
+  for a_i, a in enumerate(names):
+    for b in names[a_i + 1 :]:
+      if both := set(roles[a]) & set(roles[b]):
+        raise ValueError(
+            f"{a}={roles[a]} and {b}={roles[b]} both name argument(s) {sorted(both)}:"
+            " each argument has one role."
+        )
+  try:
+    wrt_predicate = nnx.filterlib.to_predicate(wrt)
+  except (TypeError, ValueError) as e:
+    raise ValueError(
+        f"wrt={wrt!r} is not an NNX filter: pass a Variable type such as nnx.Param, a"
+        " tag string, nnx.All/nnx.Any/nnx.Not of filters, or a callable (path, variable)."
+    ) from e
+  # num_microbatches and the options of the core door, checked by the core door
+  # itself, now rather than at the first call.
+  _microbatch.value_and_grad(
+      fun, num_microbatches, argnums=0, batch_argnums=1, state_argnums=2, has_aux=True,
+      **options,
+  )
+  single = isinstance(argnums, numbers.Integral)
+
+  @functools.wraps(fun)
+  def wrapped(*args, **kwargs):
+    args, kwargs = _positional(fun, args, kwargs)
+    for role, nums in roles.items():
+      for n in nums:
+        if n >= len(args):
+          raise ValueError(
+              f"{role}={roles[role]} names argument {n}, but the function was called with"
+              f" {len(args)} positional argument(s). Pass it positionally, or fix {role}."
+          )
+    for key, value in kwargs.items():
+      if _holds_graph_node(value):
+        raise ValueError(
+            f"Keyword argument {key}= holds an NNX graph node ({type(value).__name__}),"
+            " which nnx_value_and_grad threads only as a positional argument. Pass it"
+            " positionally."
+        )
+    node_nums = tuple(i for i, arg in enumerate(args) if _holds_graph_node(arg))
+    if bad := [n for n in batch_nums or () if n in node_nums]:
       raise ValueError(
-          f"nnx_value_and_grad got {fixed}={options[fixed]!r}: it differentiates the"
-          f" model's {wrt!r} variables and threads the rest of the model's state, so"
-          f" {fixed} is fixed. Choose the variables with wrt=..., or call"
-          " accum_jax.value_and_grad on nnx.split's states."
+          f"batch_argnums={batch_nums} names argument {bad[0]}, a {_kind(args[bad[0]])}:"
+          " its state is threaded through the microbatches in order, not split. Name"
+          " only the arguments holding the batch's arrays, or leave batch_argnums=None."
       )
-  shifted_batch = _shift(batch_argnums, "batch_argnums")
-  shifted_rng = _shift(rng_argnums, "rng_argnums")
+    if bad := [n for n in rng_nums if n in node_nums]:
+      raise ValueError(
+          f"rng_argnums={rng_nums} names argument {bad[0]}, a {_kind(args[bad[0]])}:"
+          " an nnx.Rngs argument is threaded through the microbatches, its count"
+          " advancing as in sequential calls; rng_argnums is for raw jax.random keys."
+          " Drop it from rng_argnums."
+      )
+    if batch_nums is None:
+      skip = {*diff_nums, *rng_nums, *node_nums}
+      batches = tuple(i for i, arg in enumerate(args) if i not in skip and _is_batch(arg))
+      if not batches:
+        raise ValueError(
+            f"No argument of the {len(args)} given is a batch: batch_argnums=None takes"
+            " the arguments outside argnums and rng_argnums, holding no graph node, whose"
+            " leaves are all arrays with a leading batch axis. Pass batch_argnums."
+        )
+    else:
+      batches = batch_nums
 
-  def wrapped(model, *args):
-    graphdef, params, rest = nnx.split(model, wrt, ...)
+    # One split of all graph-node arguments together keeps objects they share
+    # (an nnx.Rngs in the model and in an argument) one object.
+    nodes = tuple(args[i] for i in node_nums)
+    diff_positions = frozenset(node_nums.index(i) for i in diff_nums if i in node_nums)
 
-    def pure(params, rest, *args):
-      model = nnx.merge(graphdef, params, rest)
-      out = fun(model, *args)
-      loss, aux = out if has_aux else (out, ())
-      _, _, new_rest = nnx.split(model, wrt, ...)
-      return loss, (nnx.as_pure(new_rest), aux)
+    def differentiated(path, variable):
+      return path[0] in diff_positions and wrt_predicate(path[1:], variable)
 
+    graphdef, diff, state = nnx.split(nodes, differentiated, ...)
+
+    # fun's arguments keep their numbers; the graph nodes' places hold None, and
+    # their differentiated variables and state come last, at n and n + 1.
+    n = len(args)
+    plain_diff = tuple(i for i in diff_nums if i not in node_nums)
+    if single:
+      core_argnums = n if diff_positions else diff_nums[0]
+    else:
+      core_argnums = ((n,) if diff_positions else ()) + plain_diff
+
+    def pure(*core_args, **kwargs):
+      *call_args, diff, state = core_args
+      merged = nnx.merge(graphdef, diff, state)
+      for i, node in zip(node_nums, merged, strict=True):
+        call_args[i] = node
+      out = fun(*call_args, **kwargs)
+      loss, aux = out if has_aux else (out, None)
+      _, _, new_state = nnx.split(merged, differentiated, ...)
+      return loss, (nnx.as_pure(new_state), aux)
+
+    core_args = [None if i in node_nums else arg for i, arg in enumerate(args)]
+    # Plain arrays, not Variables, are the scan carry: a Variable may only be
+    # changed at the trace level that made it.
+    core_args += [diff, nnx.as_pure(state)]
     vg = _microbatch.value_and_grad(
         pure,
         num_microbatches,
-        argnums=0,
-        batch_argnums=shifted_batch,
-        rng_argnums=shifted_rng,
-        state_argnums=1,
+        argnums=core_argnums,
+        batch_argnums=batches,
+        rng_argnums=rng_nums or None,
+        state_argnums=n + 1,
         has_aux=True,
         **options,
     )
-    # Plain arrays, not Variables, go into the scan: a Variable may only be
-    # changed at the trace level that made it.
-    (loss, (new_rest, aux)), grads, *info = vg(params, nnx.as_pure(rest), *args)
-    nnx.update(model, new_rest)
+    (loss, (new_state, aux)), core_grads, *info = vg(*core_args, **kwargs)
+    nnx.update(nodes, new_state)
+
+    if single:
+      core_grads = (core_grads,)
+    by_argnum = dict(zip(plain_diff, core_grads[1:] if diff_positions else core_grads))
+    if diff_positions:
+      diff_grads = core_grads[0]
+      for i in diff_nums:
+        if i in node_nums:
+          j = node_nums.index(i)
+          by_argnum[i] = diff_grads[j] if j in diff_grads else nnx.State({})
+    grads = by_argnum[diff_nums[0]] if single else tuple(by_argnum[i] for i in diff_nums)
     return ((loss, aux) if has_aux else loss), grads, *info
+
+  return wrapped
+
+
+def nnx_grad(
+    fun: Callable[..., Any],
+    num_microbatches: int,
+    *,
+    argnums: int | Sequence[int] = 0,
+    wrt: Any = nnx.Param,
+    has_aux: bool = False,
+    batch_argnums: int | Sequence[int] | None = None,
+    rng_argnums: int | Sequence[int] | None = None,
+    **options: Any,
+) -> Callable[..., Any]:
+  """``nnx.grad(fun)`` over microbatches; the options of :func:`nnx_value_and_grad`.
+
+  Returns ``grads``, or ``(grads, aux)`` with ``has_aux=True``, as ``nnx.grad``
+  does (and a :class:`accum_jax.MicrobatchInfo` last with ``return_info=True``);
+  the graph-node arguments' state is threaded and written back as in
+  :func:`nnx_value_and_grad`.
+
+  Examples:
+    >>> import jax.numpy as jnp, accum_jax.flax
+    >>> from flax import nnx
+    >>> model = nnx.Linear(2, 1, use_bias=False, rngs=nnx.Rngs(0))
+    >>> def loss_fn(model, x):
+    ...   return jnp.mean(model(x) ** 2)
+    >>> grads = accum_jax.flax.nnx_grad(loss_fn, num_microbatches=2)(model, jnp.eye(2))
+    >>> full = nnx.grad(loss_fn)(model, jnp.eye(2))
+    >>> bool(jnp.allclose(grads["kernel"][...], full["kernel"][...]))
+    True
+  """
+  vg = nnx_value_and_grad(
+      fun,
+      num_microbatches,
+      argnums=argnums,
+      wrt=wrt,
+      has_aux=has_aux,
+      batch_argnums=batch_argnums,
+      rng_argnums=rng_argnums,
+      **options,
+  )
+  return_info = options.get("return_info", False)
+
+  @functools.wraps(fun)
+  def wrapped(*args, **kwargs):
+    out, grads, *info = vg(*args, **kwargs)
+    result = (grads, out[1]) if has_aux else grads
+    return (result, *info) if return_info else result
 
   return wrapped

@@ -7,6 +7,7 @@ tiny and every step is jitted once.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from typing import Any
@@ -18,7 +19,7 @@ import optax
 import pytest
 from flax import nnx
 from flax.training import train_state
-from helpers import make_params, microbatch_grads, tree_allclose, tree_weighted_mean
+from helpers import RTOL, make_params, microbatch_grads, tree_allclose, tree_weighted_mean
 from linen_model import Net as LinenNet
 from linen_model import TrainState as LinenState
 from linen_model import loss_fn as linen_loss
@@ -247,6 +248,152 @@ def test_has_updated_and_optimizer_step_read_an_nnx_optimizer():
       assert int(accum_jax.optimizer_step(holder)) == call // 2
 
 
+# ---------------------------------------------------------------------------
+# NNX: nnx_value_and_grad on the official MNIST pattern (nnx.Rngs argument,
+# BatchNorm, Dropout, nnx.MultiMetric, nnx.Optimizer with adamw).
+
+
+class MnistCNN(nnx.Module):
+  """The Flax NNX MNIST tutorial's CNN, shrunk to 8x8 images and 4 channels.
+
+  Dropout draws from the ``rngs`` the call passes (the tutorial's way), else
+  from ``dropout_rngs``, an ``nnx.Rngs`` the model holds.
+  """
+
+  def __init__(self, *, rngs: nnx.Rngs, dropout_rngs: nnx.Rngs | None = None):
+    # No bias before BatchNorm: its gradient is zero up to round-off, which Adam
+    # scales up to full steps of either sign, so no two summation orders agree.
+    self.conv = nnx.Conv(1, 4, kernel_size=(3, 3), use_bias=False, rngs=rngs)
+    self.batch_norm = nnx.BatchNorm(4, momentum=0.9, rngs=rngs)
+    self.dropout = nnx.Dropout(rate=0.25)
+    self.linear = nnx.Linear(4 * 4 * 4, 3, rngs=rngs)
+    self.dropout_rngs = dropout_rngs
+
+  def __call__(self, x, rngs: nnx.Rngs | None = None):
+    x = nnx.avg_pool(nnx.relu(self.batch_norm(self.conv(x))), (2, 2), strides=(2, 2))
+    x = self.dropout(x.reshape(x.shape[0], -1), rngs=rngs or self.dropout_rngs)
+    return self.linear(x)
+
+
+def mnist_loss(model: MnistCNN, rngs: nnx.Rngs | None, batch):
+  logits = model(batch["image"], rngs)
+  loss = optax.softmax_cross_entropy_with_integer_labels(
+      logits=logits, labels=batch["label"]
+  ).mean()
+  return loss, logits
+
+
+MNIST_BATCH = 64  # 4 microbatches of 16
+
+
+def _mnist_batch(seed: int) -> dict[str, jax.Array]:
+  rng = np.random.default_rng(seed)
+  return {
+      "image": jnp.asarray(rng.random((MNIST_BATCH, 8, 8, 1)), jnp.float32),
+      "label": jnp.asarray(rng.integers(0, 3, MNIST_BATCH), jnp.int32),
+  }
+
+
+def _mnist_metrics() -> nnx.MultiMetric:
+  return nnx.MultiMetric(accuracy=nnx.metrics.Accuracy(), loss=nnx.metrics.Average("loss"))
+
+
+_mnist_value_and_grad = accum_jax.flax.nnx_value_and_grad(
+    mnist_loss, NUM_MICROBATCHES, has_aux=True, aux_reduction="stack"
+)
+
+
+@nnx.jit
+def _mnist_microbatched_step(model, optimizer, metrics, rngs, batch):
+  """The tutorial's train_step with nnx_value_and_grad: 4 microbatches, one update."""
+  (loss, logits), grads = _mnist_value_and_grad(model, rngs, batch)
+  logits = logits.reshape(-1, logits.shape[-1])  # (microbatch, row, class) -> (row, class)
+  metrics.update(loss=loss, logits=logits, labels=batch["label"])
+  optimizer.update(model, grads)
+
+
+@nnx.jit
+def _mnist_train_step(model, optimizer, metrics, rngs, batch):
+  """The reference: the tutorial's train_step as written, one call per microbatch."""
+  grad_fn = nnx.value_and_grad(mnist_loss, has_aux=True)
+  (loss, logits), grads = grad_fn(model, rngs, batch)
+  metrics.update(loss=loss, logits=logits, labels=batch["label"])
+  optimizer.update(model, grads)
+
+
+def _relative_l2(a: Any, b: Any) -> float:
+  a, b = jax.tree.leaves(a), jax.tree.leaves(b)
+  assert len(a) == len(b) > 0
+  diff = sum(float(jnp.sum((x - y) ** 2)) for x, y in zip(a, b))
+  return (diff / sum(float(jnp.sum(y**2)) for y in b)) ** 0.5
+
+
+def _rngs_argument():
+  return MnistCNN(rngs=nnx.Rngs(0)), nnx.Rngs(1)
+
+
+def _rngs_in_the_model():
+  return MnistCNN(rngs=nnx.Rngs(0), dropout_rngs=nnx.Rngs(1)), None
+
+
+def _one_rngs_in_the_model_and_passed():
+  rngs = nnx.Rngs(1)
+  return MnistCNN(rngs=nnx.Rngs(0), dropout_rngs=rngs), rngs
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        pytest.param(_rngs_argument, id="nnx.Rngs argument"),
+        pytest.param(_rngs_in_the_model, id="nnx.Rngs held by the model"),
+        pytest.param(_one_rngs_in_the_model_and_passed, id="one nnx.Rngs held and passed"),
+    ],
+)
+def test_nnx_value_and_grad_in_a_step_equals_accumulate_across_calls_on_the_mnist_pattern(make):
+  model, rngs = make()
+  model.train()
+  optimizer = nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.Param)
+  metrics = _mnist_metrics()
+  reference, reference_rngs = make()
+  reference.train()
+  reference_optimizer = nnx.Optimizer(
+      reference, accum_jax.accumulate(optax.adamw(1e-2), every_k=NUM_MICROBATCHES), wrt=nnx.Param
+  )
+  reference_metrics = _mnist_metrics()
+  shared = rngs is not None and model.dropout_rngs is rngs
+  # nnx.value_and_grad rejects an object shared by the differentiated model and
+  # another argument ("Inconsistent aliasing"), so the reference lets the model
+  # draw from the Rngs it holds: the same object, hence the same keys.
+  reference_argument = None if shared else reference_rngs
+  size = MNIST_BATCH // NUM_MICROBATCHES
+  for step in range(2):
+    batch = _mnist_batch(step)
+    _mnist_microbatched_step(model, optimizer, metrics, rngs, batch)
+    for i in range(NUM_MICROBATCHES):
+      microbatch = jax.tree.map(lambda x: x[i * size : (i + 1) * size], batch)
+      _mnist_train_step(reference, reference_optimizer, reference_metrics, reference_argument,
+                        microbatch)
+  params, reference_params = (nnx.as_pure(nnx.state(m, nnx.Param)) for m in (model, reference))
+  stats, reference_stats = (nnx.as_pure(nnx.state(m, nnx.BatchStat)) for m in (model, reference))
+  assert _relative_l2(params, reference_params) < RTOL
+  assert _relative_l2(stats, reference_stats) < RTOL
+  tree_allclose(metrics.compute(), reference_metrics.compute())
+  # Two steps of four microbatches drew eight dropout keys, as eight calls did.
+  stream = (rngs or model.dropout_rngs).default
+  reference_stream = (reference_rngs or reference.dropout_rngs).default
+  assert int(stream.count[...]) == int(reference_stream.count[...]) == 8
+  if shared:
+    assert model.dropout_rngs is rngs  # still one object
+  # nnx.Optimizer.step counts calls; optimizer_step counts the updates applied.
+  assert int(optimizer.step[...]) == 2
+  assert int(reference_optimizer.step[...]) == 8
+  assert int(accum_jax.optimizer_step(reference_optimizer)) == 2
+
+
+# ---------------------------------------------------------------------------
+# NNX: against the mean of sequential nnx.value_and_grad calls.
+
+
 class NnxNet(nnx.Module):
   def __init__(self, rngs: nnx.Rngs):
     self.hidden = nnx.Linear(5, 8, rngs=rngs)
@@ -258,48 +405,129 @@ class NnxNet(nnx.Module):
     return self.out(self.dropout(nnx.relu(self.norm(self.hidden(x)))))
 
 
-def _nnx_classifier_loss(model, x, y):
-  logits = model(x)
+def _metered_loss(model, metrics, x, y, temperature):
+  """A classifier loss that also updates metrics, differentiated w.r.t. model and temperature."""
+  logits = model(x) / temperature
   loss = optax.losses.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+  metrics.update(loss=loss, logits=logits, labels=y)
   return loss, jnp.mean(jnp.argmax(logits, -1) == y)
 
 
+_metered_value_and_grad = accum_jax.flax.nnx_value_and_grad(
+    _metered_loss, NUM_MICROBATCHES, argnums=(0, 4), has_aux=True
+)
+
+
 @nnx.jit
-def _nnx_sequential_value_and_grad(model, x, y):
-  """The reference: NUM_MICROBATCHES nnx.value_and_grad calls on one model."""
+def _nnx_microbatched(model, metrics, x, y, temperature):
+  # By keyword, as nnx.value_and_grad allows: y and temperature keep their numbers.
+  return _metered_value_and_grad(model, metrics, x, y=y, temperature=temperature)
+
+
+@nnx.jit
+def _nnx_sequential_value_and_grad(model, metrics, x, y, temperature):
+  """The reference: NUM_MICROBATCHES nnx.value_and_grad calls on one model and metrics."""
   outs = []
   for i in range(NUM_MICROBATCHES):
     mb = _microbatch({"x": x, "y": y}, i)
-    outs.append(nnx.value_and_grad(_nnx_classifier_loss, has_aux=True)(model, mb["x"], mb["y"]))
-  ((losses, accuracies), grads) = jax.tree.map(lambda *xs: sum(xs) / NUM_MICROBATCHES, *outs)
-  return (losses, accuracies), grads
+    vg = nnx.value_and_grad(_metered_loss, argnums=(0, 4), has_aux=True)
+    outs.append(vg(model, metrics, mb["x"], mb["y"], temperature))
+  return jax.tree.map(lambda *xs: sum(xs) / NUM_MICROBATCHES, *outs)
 
 
-def test_nnx_value_and_grad_threads_batch_stats_and_rng_counts_like_sequential_calls():
+def test_nnx_value_and_grad_threads_state_of_every_graph_node_like_sequential_calls():
   model, reference = NnxNet(nnx.Rngs(0, dropout=1)), NnxNet(nnx.Rngs(0, dropout=1))
-  vg = nnx.jit(
-      accum_jax.flax.nnx_value_and_grad(
-          _nnx_classifier_loss, NUM_MICROBATCHES, batch_argnums=(1, 2), has_aux=True
-      )
-  )
+  metrics, reference_metrics = _mnist_metrics(), _mnist_metrics()
+  temperature = jnp.float32(1.5)
   for step in range(2):
     batch = _batch(step)
-    (loss, accuracy), grads = vg(model, batch["x"], batch["y"])
-    (ref_loss, ref_accuracy), ref_grads = _nnx_sequential_value_and_grad(
-        reference, batch["x"], batch["y"]
+    (loss, accuracy), (grads, temperature_grad) = _nnx_microbatched(
+        model, metrics, batch["x"], batch["y"], temperature
+    )
+    (ref_loss, ref_accuracy), (ref_grads, ref_temperature_grad) = _nnx_sequential_value_and_grad(
+        reference, reference_metrics, batch["x"], batch["y"], temperature
     )
     tree_allclose((loss, accuracy), (ref_loss, ref_accuracy))
     assert isinstance(grads, nnx.State)
     tree_allclose(nnx.as_pure(grads), nnx.as_pure(ref_grads))
-  rest, ref_rest = nnx.state(model, nnx.Not(nnx.Param)), nnx.state(reference, nnx.Not(nnx.Param))
-  tree_allclose(jax.tree.map(jnp.asarray, nnx.to_pure_dict(rest["norm"])),
-                jax.tree.map(jnp.asarray, nnx.to_pure_dict(ref_rest["norm"])))
+    tree_allclose(temperature_grad, ref_temperature_grad)
+  tree_allclose(nnx.as_pure(nnx.state(model.norm, nnx.BatchStat)),
+                nnx.as_pure(nnx.state(reference.norm, nnx.BatchStat)))
+  tree_allclose(metrics.compute(), reference_metrics.compute())
+  assert int(metrics.loss.count[...]) == 2 * NUM_MICROBATCHES  # one update per microbatch
   # Two calls of four microbatches: the dropout stream drew eight keys, as in the reference.
   assert int(model.dropout.rngs.count[...]) == int(reference.dropout.rngs.count[...]) == 8
 
 
-def test_nnx_value_and_grad_rejects_arguments_that_name_the_model():
-  with pytest.raises(ValueError, match="names argument 0, the model"):
-    accum_jax.flax.nnx_value_and_grad(_nnx_loss, 2, batch_argnums=(0, 1))
-  with pytest.raises(ValueError, match="state_argnums is fixed"):
-    accum_jax.flax.nnx_value_and_grad(_nnx_loss, 2, state_argnums=2)
+def _linear_loss(model, x, y):
+  prediction = model(x)
+  return jnp.mean((prediction - y) ** 2), prediction
+
+
+def test_nnx_grad_returns_grads_and_aux_like_nnx_grad():
+  model = nnx.Linear(5, 3, rngs=nnx.Rngs(0))
+  batch = _batch(0)
+  x, y = batch["x"], jax.nn.one_hot(batch["y"], 3)
+  grad_fn = nnx.jit(
+      accum_jax.flax.nnx_grad(
+          _linear_loss, NUM_MICROBATCHES, has_aux=True, aux_reduction="stack", return_info=True
+      )
+  )
+  (grads, predictions), info = grad_fn(model, x, y)
+  reference_grads, reference_predictions = nnx.grad(_linear_loss, has_aux=True)(model, x, y)
+  assert isinstance(grads, nnx.State)
+  tree_allclose(nnx.as_pure(grads), nnx.as_pure(reference_grads))
+  tree_allclose(predictions.reshape(BATCH_SIZE, 3), reference_predictions)
+  assert int(info.num_skipped) == 0 and float(info.total_weight) == NUM_MICROBATCHES
+
+
+# ---------------------------------------------------------------------------
+# NNX: errors, in the user's argument numbers.
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"state_argnums": 2}, "nnx_value_and_grad got state_argnums=2"),
+        ({"aux_reduction": "median"}, "aux_reduction='median' is not one of"),
+        ({"num_microbatches": 0}, "num_microbatches=0 must be an int >= 1"),
+        ({"argnums": (0, 2), "batch_argnums": 2}, "argnums=(0, 2) and batch_argnums=(2,) both"),
+        ({"rng_argnums": -1}, "rng_argnums=-1 must be a non-negative int"),
+        ({"wrt": 3}, "wrt=3 is not an NNX filter"),
+    ],
+)
+def test_nnx_value_and_grad_checks_its_options_when_built(options, message):
+  options = {"num_microbatches": 2, **options}
+  with pytest.raises(ValueError, match=re.escape(message)):
+    accum_jax.flax.nnx_value_and_grad(mnist_loss, **options)
+  with pytest.raises(ValueError, match=re.escape(message)):
+    accum_jax.flax.nnx_grad(mnist_loss, **options)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"batch_argnums": 1}, "batch_argnums=(1,) names argument 1, a Rngs (an NNX graph node)"),
+        ({"batch_argnums": 3}, "batch_argnums=(3,) names argument 3, but the function was called"
+                               " with 3 positional argument(s)"),
+        ({"rng_argnums": 1}, "rng_argnums=(1,) names argument 1, a Rngs (an NNX graph node)"),
+        ({"argnums": 2}, "No argument of the 3 given is a batch"),
+        ({"batch_argnums": (0, 2)}, "argnums=(0,) and batch_argnums=(0, 2) both name argument(s)"
+                                    " [0]"),  # at construction
+    ],
+)
+def test_nnx_value_and_grad_errors_name_the_users_argument_numbers(options, message):
+  with pytest.raises(ValueError, match=re.escape(message)):
+    vg = accum_jax.flax.nnx_value_and_grad(mnist_loss, 2, has_aux=True, **options)
+    vg(MnistCNN(rngs=nnx.Rngs(0)), nnx.Rngs(1), _mnist_batch(0))
+
+
+def test_nnx_value_and_grad_errors_from_the_core_name_the_users_argument_numbers():
+  vg = accum_jax.flax.nnx_value_and_grad(mnist_loss, 2, has_aux=True, batch_argnums=2)
+  with pytest.raises(ValueError, match=re.escape("Argument 2['label'] is a scalar")):
+    vg(MnistCNN(rngs=nnx.Rngs(0)), nnx.Rngs(1), {**_mnist_batch(0), "label": jnp.int32(1)})
+  keyword_only = accum_jax.flax.nnx_value_and_grad(
+      lambda model, batch, *, rngs: mnist_loss(model, rngs, batch), 2, has_aux=True
+  )
+  with pytest.raises(ValueError, match=re.escape("Keyword argument rngs= holds an NNX graph")):
+    keyword_only(MnistCNN(rngs=nnx.Rngs(0)), _mnist_batch(0), rngs=nnx.Rngs(1))
