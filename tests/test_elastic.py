@@ -76,6 +76,36 @@ def test_a_window_saved_on_8_devices_finishes_on_4_as_if_never_stopped(layout, t
   tree_allclose(jax.tree.unflatten(treedef, leaves), uninterrupted, rtol=RTOL)
 
 
+EXAMPLE = REPO_ROOT / "examples" / "elastic_resume.py"
+
+
+def _number_after(label: str, stdout: str) -> float:
+  match = re.search(rf"^{re.escape(label)}\s+(\S+)$", stdout, re.MULTILINE)
+  assert match, f"no line starting {label!r} in the output:\n{stdout}"
+  return float(match.group(1))
+
+
+@pytest.mark.skipif(
+    not hasattr(accum_jax, "abstract_tree"),
+    reason="the example calls accum_jax.abstract_tree, which accum_jax/__init__.py exports",
+)
+def test_the_elastic_resume_example_finishes_on_4_devices_as_if_never_stopped():
+  result = subprocess.run(
+      [sys.executable, str(EXAMPLE)],
+      env=_fresh_process_env(worker.SAVE_DEVICES),
+      capture_output=True,
+      text=True,
+      timeout=SUBPROCESS_TIMEOUT_S,
+  )
+  assert result.returncode == 0, result.stderr[-4000:]
+  out = result.stdout
+  assert f"saved on {worker.SAVE_DEVICES} devices after call 6 of 12" in out, out
+  assert f"restored on {worker.RESTORE_DEVICES} devices: call 6, window 2 of 4" in out, out
+  assert "every per-parameter leaf sharded like its parameter: True" in out, out
+  assert _number_after("Adam updates (accum_jax.optimizer_step):", out) == 3
+  assert _number_after("max relative difference vs uninterrupted:", out) < RTOL
+
+
 # ---------------------------------------------------------------------------
 # The targets, checked in this process: restored on 4 of its 8 devices.
 
