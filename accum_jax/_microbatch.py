@@ -120,8 +120,13 @@ def _checked(fun: Callable[..., Any], options: _options.Options) -> Callable[...
 
 def _fold_in(key: jax.Array, index: jax.Array, shard_index: jax.Array | None) -> jax.Array:
   """The key of microbatch ``index`` (on device ``shard_index`` under a mesh)."""
+  raw = not jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+  if raw:  # uint32[2] (threefry) or uint32[4] (rbg), whatever the default implementation
+    key = jax.random.wrap_key_data(key, impl="threefry2x32" if key.shape == (2,) else "rbg")
   key = jax.random.fold_in(key, index)
-  return key if shard_index is None else jax.random.fold_in(key, shard_index)
+  if shard_index is not None:
+    key = jax.random.fold_in(key, shard_index)
+  return jax.random.key_data(key) if raw else key
 
 
 class _Out(NamedTuple):
@@ -244,9 +249,19 @@ def _scan(grad_fun, options, call, shapes, args, shard_index, *, kwargs) -> _sha
   return _sharding.LocalSums(acc, aux_sums, state, per_example)
 
 
-def _aux_result(total, per_example, like, reduction, weight, batch_size) -> jax.Array:
+def _drop_padding(x: jax.Array, call: _options.Call) -> jax.Array:
+  if x.shape[0] == call.batch_size:
+    return x
+  if call.mesh is not None and jax.sharding.AxisType.Explicit in call.mesh.axis_types:
+    # An explicitly sharded batch axis cannot be cut to a size the devices do
+    # not divide; the rows are gathered first.
+    x = jax.reshard(x, jax.sharding.NamedSharding(call.mesh, jax.sharding.PartitionSpec()))
+  return x[:call.batch_size]
+
+
+def _aux_result(total, per_example, like, reduction, weight, call) -> jax.Array:
   if reduction == "concat":
-    return per_example[:batch_size]  # without the rows of padding
+    return _drop_padding(per_example, call)
   if reduction == "stack":
     return per_example
   if reduction == "mean":
@@ -267,7 +282,7 @@ def _finalise(sums: _sharding.LocalSums, shapes: _Shapes, options, call) -> Any:
       (value, grads),
   )
   aux = jax.tree.unflatten(jax.tree.structure(shapes.aux), [
-      _aux_result(total, per_example, like, r, acc.weight, call.batch_size)
+      _aux_result(total, per_example, like, r, acc.weight, call)
       for total, per_example, like, r in zip(
           sums.aux_sums, sums.per_example, jax.tree.leaves(shapes.aux), shapes.reductions
       )

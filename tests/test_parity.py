@@ -245,3 +245,11 @@ def test_tolerances_are_checked(tolerances, message):
 def test_a_batch_that_does_not_split_is_refused():
   with pytest.raises(ValueError, match="does not split into num_microbatches=3"):
     check_parity(mse_loss, make_params(), make_batch(), num_microbatches=3)
+
+
+def test_a_raw_key_missing_from_rng_argnums_is_named_as_the_cause():
+  raw_key = jax.random.key_data(jax.random.key(1))  # uint32[2], as jax.random.PRNGKey makes
+  report = check(dropout_loss, make_params(), make_batch(), raw_key)
+  assert not report.ok
+  assert any("Argument(s) [2] hold a PRNG key not named in rng_argnums" in hint
+             for hint in report.hints), report.hints

@@ -237,3 +237,14 @@ def test_batch_argnums_choose_the_batch_that_is_split(monkeypatch):
   plan = plan_microbatches(swapped, batch, params, memory_budget_bytes=20,
                            argnums=1, batch_argnums=0)
   assert plan.num_microbatches == 6  # divisors of 12: 1, 2, 3, 4, 6, 12
+
+
+def test_with_pad_batch_any_number_of_microbatches_is_a_candidate(monkeypatch):
+  asked = count_compiles(monkeypatch, lambda n: 100 // n)
+  plan = plan_microbatches(mlp_loss, *mlp_args(batch_size=10), memory_budget_bytes=30,
+                           pad_batch=True, weight_fn=lambda batch: batch["y"].size,
+                           candidates=[3, 4])
+  assert plan.num_microbatches == 4 and asked  # 4 does not divide 10: the batch is padded
+  plan = plan_microbatches(mlp_loss, *mlp_args(batch_size=10), memory_budget_bytes=30,
+                           pad_batch=True, weight_fn=lambda batch: batch["y"].size)
+  assert plan.num_microbatches == 4  # the first n with 100 // n <= 30, among 1..10

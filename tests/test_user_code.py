@@ -1,0 +1,268 @@
+"""accum_jax.value_and_grad on code shaped as users write it.
+
+Per-example outputs (logits) as aux, the common ``loss(params, x, y)``
+signature, integer counts as aux, what ``fun`` returns checked against what was
+promised, non-array arguments, raw keys, and meshes with a model axis. Every
+result is compared with jax.value_and_grad on the whole batch.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import normal, tree_allclose
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import accum_jax
+
+BATCH, FEATURES, CLASSES = 16, 3, 4
+
+
+def make_params():
+  return {"w": normal(0, (FEATURES, CLASSES), 0.5), "b": normal(1, (CLASSES,), 0.1)}
+
+
+def make_data(batch=BATCH):
+  x = normal(2, (batch, FEATURES))
+  y = np.arange(batch) % CLASSES
+  mask = (np.arange(batch) % 5 != 0).astype(np.float32)
+  return x, y, mask
+
+
+def logits_loss(params, x, y):
+  """The loss of a linear classifier, with its logits as aux (as the Flax examples do)."""
+  logits = x @ params["w"] + params["b"]
+  loss = -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], axis=1))
+  return loss, logits
+
+
+def masked_logits_loss(params, x, y, mask):
+  logits = x @ params["w"] + params["b"]
+  nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], axis=1)[:, 0]
+  loss = jnp.sum(mask * nll) / jnp.sum(mask)
+  return loss, {"logits": logits, "loss": loss}
+
+
+def weight_of(x, y, mask):
+  return jnp.sum(mask)
+
+
+def full_batch(fun, *args):
+  return jax.value_and_grad(fun, has_aux=True)(*args)
+
+
+# Per-example aux: "concat", and the default.
+
+
+@pytest.mark.parametrize("split", ["contiguous", "strided"])
+@pytest.mark.parametrize("aux_reduction", ["concat", None], ids=["concat", "default"])
+def test_per_example_aux_comes_back_in_batch_order(split, aux_reduction):
+  params, (x, y, _) = make_params(), make_data()
+  vg = accum_jax.value_and_grad(logits_loss, 4, has_aux=True, split=split,
+                                aux_reduction=aux_reduction)
+  (loss, logits), grads = jax.jit(vg)(params, x, y)
+  (expected_loss, expected_logits), expected_grads = full_batch(logits_loss, params, x, y)
+  assert logits.shape == (BATCH, CLASSES)
+  tree_allclose((loss, logits, grads), (expected_loss, expected_logits, expected_grads))
+
+
+def test_per_example_aux_of_a_padded_batch_drops_the_padding_rows():
+  params, (x, y, mask) = make_params(), make_data(batch=14)  # 14 = 3 x 4 + 2
+  vg = accum_jax.value_and_grad(masked_logits_loss, 4, has_aux=True, pad_batch=True,
+                                weight_fn=weight_of, split="strided")
+  (loss, aux), grads = jax.jit(vg)(params, x, y, mask)
+  expected = full_batch(masked_logits_loss, params, x, y, mask)
+  assert aux["logits"].shape == (14, CLASSES)
+  tree_allclose(((loss, aux), grads), expected)
+
+
+def test_per_example_aux_under_a_mesh_comes_back_in_batch_order():
+  mesh = jax.make_mesh((4,), ("data",))
+  params, (x, y, mask) = make_params(), make_data(batch=30)  # padded to 32
+  vg = accum_jax.value_and_grad(masked_logits_loss, 2, has_aux=True, pad_batch=True,
+                                weight_fn=weight_of, mesh=mesh)
+  (loss, aux), grads = jax.jit(vg)(params, x, y, mask)
+  expected = full_batch(masked_logits_loss, params, x, y, mask)
+  assert aux["logits"].shape == (30, CLASSES)
+  tree_allclose(((loss, aux), grads), expected)
+
+
+def test_concat_of_an_aux_leaf_without_a_row_axis_is_refused():
+  vg = accum_jax.value_and_grad(lambda p, x, y: (logits_loss(p, x, y)[0], jnp.ones(3)), 4,
+                                has_aux=True, aux_reduction="concat")
+  with pytest.raises(ValueError, match=re.escape("has shape (3,), with no leading axis of the"
+                                                 " microbatch's 4 rows")):
+    vg(make_params(), *make_data()[:2])
+
+
+# Integer aux.
+
+
+def counting_loss(params, x, counts):
+  loss = jnp.mean(x @ params["w"])
+  return loss, {"tokens": jnp.sum(counts), "mean_count": jnp.sum(counts) // x.shape[0]}
+
+
+def test_integer_aux_is_summed_exactly_in_integers():
+  params, (x, _, _) = make_params(), make_data()
+  # 20000001 in all: float32 has no such number (its spacing there is 2).
+  counts = np.full((BATCH,), 1_250_000, np.int32)
+  counts[0] += 1
+  vg = accum_jax.value_and_grad(counting_loss, 4, has_aux=True, aux_reduction="sum")
+  (_, aux), _ = jax.jit(vg)(params, x, counts)
+  assert aux["tokens"].dtype == jnp.int32
+  assert int(aux["tokens"]) == int(counts.sum()) == 20_000_001
+
+
+def test_the_mean_of_integer_aux_is_a_float_not_truncated():
+  params, (x, _, _) = make_params(), make_data()
+  counts = np.repeat(np.array([1, 2, 2, 2], np.int32), BATCH // 4)
+  (_, aux), _ = jax.jit(accum_jax.value_and_grad(counting_loss, 4, has_aux=True))(
+      params, x, counts)
+  assert jnp.issubdtype(aux["mean_count"].dtype, jnp.floating)
+  np.testing.assert_allclose(aux["mean_count"], 1.75)
+
+
+# The batch arguments.
+
+
+def test_loss_of_params_x_y_splits_both_by_default():
+  params, (x, y, _) = make_params(), make_data()
+  out = jax.jit(accum_jax.value_and_grad(logits_loss, 4, has_aux=True))(params, x, y)
+  tree_allclose(out, full_batch(logits_loss, params, x, y))
+
+
+def test_arguments_found_as_batches_with_different_sizes_name_batch_argnums():
+  params, (x, _, _) = make_params(), make_data()
+  vg = accum_jax.value_and_grad(lambda p, x, table: jnp.mean(x @ p["w"]) + table.sum(), 4)
+  with pytest.raises(ValueError, match=re.escape("name the batch arguments with batch_argnums=")):
+    vg(params, x, np.ones((5, 2), np.float32))
+
+
+def test_no_batch_among_the_arguments_is_refused_with_the_fix():
+  vg = accum_jax.value_and_grad(lambda p, scale: scale * jnp.sum(p["w"]), 4)
+  with pytest.raises(ValueError, match=re.escape("No batch to split")):
+    vg(make_params(), 2.0)
+
+
+def test_batch_argnums_that_is_not_an_int_is_named():
+  with pytest.raises(ValueError, match=re.escape("batch_argnums=1.0 must be a non-negative int")):
+    accum_jax.value_and_grad(logits_loss, 4, batch_argnums=1.0)
+
+
+# What fun returns.
+
+
+def state_loss(params, state, x):
+  return jnp.mean(x @ params["w"]), (state + jnp.mean(x), {"n": jnp.ones(())})
+
+
+@pytest.mark.parametrize(
+    "fun, options, message",
+    [
+        pytest.param(lambda p, x: jnp.mean(x @ p["w"]), dict(has_aux=True),
+                     "has_aux=True, so fun must return a pair (value, aux), but it returned an"
+                     " array of shape ()", id="has_aux but a loss alone"),
+        pytest.param(lambda p, x: (jnp.mean(x @ p["w"]), 1.0, 2.0), dict(has_aux=True),
+                     "but it returned a tuple of 3", id="three outputs"),
+        pytest.param(lambda p, x: (jnp.mean(x @ p["w"]), x), dict(),
+                     "fun returned a tuple of 2, not a scalar loss. If it returns (loss, aux),"
+                     " pass has_aux=True", id="aux without has_aux"),
+    ],
+)
+def test_what_fun_returns_is_checked_against_has_aux(fun, options, message):
+  params, (x, _, _) = make_params(), make_data()
+  with pytest.raises(ValueError, match=re.escape(message)):
+    accum_jax.value_and_grad(fun, 4, batch_argnums=1, **options)(params, x)
+
+
+@pytest.mark.parametrize(
+    "returned, message",
+    [
+        pytest.param(lambda loss, state: (loss, state),
+                     "fun must return (value, (new_state, aux)), but its aux is an array of"
+                     " shape (2,)", id="no aux element"),
+        pytest.param(lambda loss, state: (loss, (state[:1], ())),
+                     "The new state's leaf  has shape (1,) and dtype float32, but the state"
+                     " passed in has shape (2,)", id="broadcastable shape"),
+        pytest.param(lambda loss, state: (loss, (state.astype(jnp.float16), ())),
+                     "dtype float16, but the state passed in has shape (2,) and dtype float32",
+                     id="other dtype"),
+        pytest.param(lambda loss, state: (loss, {"batch_stats": state}),
+                     "but its aux is a dict", id="Linen's updates dict"),
+        pytest.param(lambda loss, state: (loss, ({"batch_stats": state}, ())),
+                     "The new state has structure", id="another tree"),
+    ],
+)
+def test_a_new_state_that_does_not_match_the_state_is_refused(returned, message):
+  def loss(params, state, x):
+    return returned(jnp.mean(x @ params["w"]), state + jnp.mean(x))
+
+  params, (x, _, _) = make_params(), make_data()
+  vg = accum_jax.value_and_grad(loss, 4, has_aux=True, state_argnums=1)
+  with pytest.raises(ValueError, match=re.escape(message)):
+    vg(params, np.zeros((2,), np.float32), x)
+
+
+def test_differentiating_an_argument_that_holds_a_function_names_the_fix():
+  def loss(model, x):
+    return jnp.mean(model["act"](x @ model["w"]))
+
+  vg = accum_jax.value_and_grad(loss, 4)
+  with pytest.raises(ValueError, match=re.escape("accum_jax.equinox.filter_value_and_grad")):
+    vg({"w": make_params()["w"], "act": jax.nn.relu}, make_data()[0])
+
+
+# Non-array arguments and a model axis under a mesh.
+
+
+def activation_loss(params, x, y, activation):
+  logits = activation(x @ params["w"] + params["b"])
+  return jnp.mean((logits - jax.nn.one_hot(y, CLASSES)) ** 2)
+
+
+def test_a_non_array_argument_is_passed_through_a_mesh():
+  mesh = jax.make_mesh((4,), ("data",))
+  params, (x, y, _) = make_params(), make_data()
+  vg = accum_jax.value_and_grad(activation_loss, 2, batch_argnums=(1, 2), mesh=mesh)
+  out = jax.jit(vg, static_argnums=3)(params, x, y, jnp.tanh)
+  tree_allclose(out, jax.value_and_grad(activation_loss)(params, x, y, jnp.tanh))
+
+
+def test_parameters_sharded_over_a_model_axis_keep_their_sharding_in_the_gradients():
+  # As in the JAX AI Stack's miniGPT: parameters annotated P(None, "model").
+  mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  params, (x, y, _) = make_params(), make_data()
+  sharding = {"w": NamedSharding(mesh, P(None, "model")), "b": NamedSharding(mesh, P("model"))}
+  params = jax.device_put(params, sharding)
+  vg = accum_jax.value_and_grad(activation_loss, 2, batch_argnums=(1, 2), mesh=mesh,
+                                data_axis="data")
+  loss, grads = jax.jit(vg, static_argnums=3)(params, x, y, jnp.tanh)
+  tree_allclose((loss, grads), jax.value_and_grad(activation_loss)(params, x, y, jnp.tanh))
+  for name in params:
+    assert grads[name].sharding.is_equivalent_to(sharding[name], grads[name].ndim), (
+        name, grads[name].sharding)
+
+
+# Keys.
+
+
+def dropout_loss(params, x, key):
+  keep = jax.random.bernoulli(key, 0.5, x.shape)
+  return jnp.mean(jnp.where(keep, x, 0.0) @ params["w"])
+
+
+def test_a_raw_rbg_key_is_a_key():
+  key = jax.random.key_data(jax.random.key(0, impl="rbg"))
+  assert key.shape == (4,)
+  params, (x, _, _) = make_params(), make_data()
+
+  def loss(params, x, key):
+    return dropout_loss(params, x, jax.random.wrap_key_data(key, impl="rbg"))
+
+  vg = accum_jax.value_and_grad(loss, 4, rng_argnums=2)
+  value, _ = jax.jit(vg)(params, x, key)
+  assert np.isfinite(value)
