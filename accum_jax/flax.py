@@ -97,10 +97,18 @@ def _holds_graph_node(arg: Any) -> bool:
 
 
 def _is_batch(arg: Any) -> bool:
-  """Whether every leaf of ``arg`` is an array with a leading (batch) axis."""
+  """Whether every leaf of ``arg`` is an array with a leading (batch) axis, not a key.
+
+  The test :func:`accum_jax.value_and_grad` applies with ``batch_argnums=None``,
+  made here so that graph nodes are left out and errors count ``fun``'s arguments.
+  """
   leaves = jax.tree.leaves(arg)
   return bool(leaves) and all(
-      isinstance(leaf, jax.Array | np.ndarray) and leaf.ndim >= 1 for leaf in leaves
+      isinstance(leaf, jax.Array | np.ndarray | np.generic)
+      and leaf.ndim >= 1
+      and not jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
+      and not (leaf.dtype == np.uint32 and leaf.shape in ((2,), (4,)))  # a raw key
+      for leaf in leaves
   )
 
 
@@ -183,8 +191,9 @@ def nnx_value_and_grad(
     rng_argnums: arguments holding a raw PRNG key (``jax.random.key``) to fold
       the microbatch index into. An ``nnx.Rngs`` needs none: its count advances.
     **options: other options of :func:`accum_jax.value_and_grad`, such as
-      ``weight_fn``, ``aux_reduction`` (``"stack"`` keeps per-microbatch
-      logits for metrics), ``accumulator_dtype``, ``return_info``.
+      ``weight_fn``, ``aux_reduction`` (by default, per-example aux such as
+      logits comes back as ``(batch, ...)``, ready for ``nnx.metrics.Accuracy``),
+      ``accumulator_dtype``, ``return_info``.
 
   Returns:
     A function of ``fun``'s arguments returning ``loss, grads`` (or ``(loss,
