@@ -40,7 +40,7 @@ def _describe(path: KeyPath) -> str:
 def _sharding_of(path: KeyPath, leaf: Any) -> jax.sharding.Sharding:
   if isinstance(leaf, jax.core.Tracer):
     raise ValueError(
-        f"{_describe(path)} is a traced value: call abstract_state outside jax.jit,"
+        f"{_describe(path)} is a traced value: build the restore target outside jax.jit,"
         " with the new parameters or jax.ShapeDtypeStructs that carry their shardings."
     )
   sharding = getattr(leaf, "sharding", None)
@@ -85,10 +85,10 @@ class _ParamIndex:
         first_path, first = path, sharding
       elif sharding.device_set != first.device_set:
         raise ValueError(
-            f"{_describe(path)} lives on {len(sharding.device_set)} devices and"
-            f" {_describe(first_path)} on {len(first.device_set)} others: the state's"
-            " counters must be replicated where every parameter is. Place all the"
-            " parameters on one mesh."
+            f"{_describe(path)} and {_describe(first_path)} live on different sets of"
+            f" devices ({len(sharding.device_set)} and {len(first.device_set)} devices):"
+            " the state's counters must be replicated where every parameter is. Place"
+            " all the parameters on one mesh."
         )
       self.entries[tuple(path)] = (tuple(leaf.shape), sharding)
     # A NamedSharding, if any, names the mesh the training step runs on.

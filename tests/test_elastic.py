@@ -235,7 +235,8 @@ def test_parameters_on_two_sets_of_devices_are_refused():
       "a": jax.device_put(jnp.zeros(4), devices[0]),
       "b": jax.device_put(jnp.zeros(4), devices[1]),
   }
-  with pytest.raises(ValueError, match=re.escape("params['b'] lives on 1 devices and params['a']")):
+  message = "params['b'] and params['a'] live on different sets of devices (1 and 1 devices)"
+  with pytest.raises(ValueError, match=re.escape(message)):
     abstract_state(optax.adam(1e-2), params)
 
 
