@@ -248,3 +248,14 @@ def test_empty_parameters_and_an_optimizer_without_init_are_refused():
     abstract_state(optax.adam, params)
   with pytest.raises(ValueError, match=re.escape("tree['step'] is a str, not an array")):
     abstract_tree({"step": "0"}, params)
+
+
+def test_traced_parameters_and_an_abstract_mesh_are_refused():
+  params, _ = _params_on_half_the_devices("fsdp")
+  concrete = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), params)
+  with pytest.raises(ValueError, match=re.escape("is a traced value: build the restore target")):
+    jax.jit(lambda p: abstract_state(optax.adam(1e-2), p))(concrete)
+  mesh = jax.sharding.AbstractMesh((4,), ("data",))
+  abstract = {"w": jax.ShapeDtypeStruct((8,), jnp.float32, sharding=NamedSharding(mesh, P("data")))}
+  with pytest.raises(ValueError, match=re.escape("params['w'] has a sharding on an abstract mesh")):
+    abstract_state(optax.adam(1e-2), abstract)
