@@ -268,20 +268,26 @@ def _accumulate(
         inner_update, state.inner_opt_state, accumulator, value_accumulator
     )
 
-    def emit(inner_state, window, value_window):
+    def emit(inner_state, previous, grads, value_window):
+      # The window with this call's gradient, added again from the previous
+      # window: the addition outside then has one reader, the select that
+      # empties it, and fuses with it (one pass over the accumulator per call).
+      window, _ = _core.add(previous, grads, weight, skip_nonfinite=False, accept=kept)
       new_updates, new_inner_state = inner_update(inner_state, window, value_window)
       return new_updates, _cast_like(new_inner_state, inner_state)
 
-    def hold(inner_state, window, value_window):
-      del window, value_window
+    def hold(inner_state, previous, grads, value_window):
+      del previous, grads, value_window
       return jax.tree.map(_core.zeros_like, update_shapes), inner_state
 
     # A conditional, not a select: the inner update is not computed at all on
-    # the calls that only accumulate. Only the inner state goes through it; the
-    # window is read there and emptied outside, by a select that fuses with the
-    # addition above, so that no call copies the window as a branch's output.
+    # the calls that only accumulate. Only the inner state and the updates come
+    # out of it; the window is emptied outside, so that no call copies it as a
+    # branch's output. (Without donation, XLA copies the inner state on every
+    # call, as an output may not share an input's buffer; optax.MultiSteps
+    # rewrites it on every call instead.)
     new_updates, inner_state = jax.lax.cond(
-        apply, emit, hold, state.inner_opt_state, accumulator, value_accumulator
+        apply, emit, hold, state.inner_opt_state, state.accumulator, updates, value_accumulator
     )
     # A window that ends with zero total weight holds nothing to apply (its
     # sum is zero too); it restarts, and is counted.
