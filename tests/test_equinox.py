@@ -185,12 +185,16 @@ def compute_loss_with_metrics(model, state, xs, ys):
   return loss, {"state": state, "loss_again": loss}
 
 
+plain_state_value_and_grad = eqx.filter_jit(eqx.filter_value_and_grad(compute_loss, has_aux=True))
+
+
 def _sequential_state_reference(model, state, x, y):
   """Microbatch after microbatch with eqx.filter_value_and_grad, threading the state."""
-  vg = eqx.filter_value_and_grad(compute_loss, has_aux=True)
   losses, grads = [], []
   for i in range(4):
-    (loss, state), g = vg(model, state, _microbatch(x, i, 4), _microbatch(y, i, 4))
+    (loss, state), g = plain_state_value_and_grad(
+        model, state, _microbatch(x, i, 4), _microbatch(y, i, 4)
+    )
     losses.append(loss)
     grads.append(g)
   return _mean(losses), state, _mean(grads)
@@ -248,6 +252,9 @@ def dropout_loss_by_keyword(model, x, y, *, key):
   return dropout_loss(model, x, y, key)
 
 
+plain_dropout_value_and_grad = eqx.filter_jit(eqx.filter_value_and_grad(dropout_loss))
+
+
 @pytest.mark.parametrize("by_keyword", [False, True], ids=["positional raw key", "key= typed"])
 def test_keys_are_folded_per_microbatch_like_sequential_calls(by_keyword):
   model = DropoutMLP(jr.key(0))
@@ -261,7 +268,7 @@ def test_keys_are_folded_per_microbatch_like_sequential_calls(by_keyword):
     vg = accum_jax.equinox.filter_value_and_grad(dropout_loss, NUM_MICROBATCHES)
     loss, grads = eqx.filter_jit(vg)(model, x, y, key)
 
-  plain = eqx.filter_value_and_grad(dropout_loss)
+  plain = plain_dropout_value_and_grad
 
   def sequential(keys):
     outs = [plain(model, _microbatch(x, i), _microbatch(y, i), k) for i, k in enumerate(keys)]
@@ -278,7 +285,12 @@ def test_keys_are_folded_per_microbatch_like_sequential_calls(by_keyword):
 # Across calls: the standard Equinox loop with accum_jax.accumulate.
 
 
-def test_standard_loop_with_accumulate_equals_one_full_batch_step():
+# Adam hardly sees a gradient's scale; SGD shows a sum taken for a mean.
+OPTIMIZERS = {"adam": lambda: optax.adam(1e-2), "sgd": lambda: optax.sgd(0.5)}
+
+
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+def test_standard_loop_with_accumulate_equals_one_full_batch_step(optimizer):
   model, x, y = _problem("mlp")
   every_k = 4
 
@@ -296,8 +308,9 @@ def test_standard_loop_with_accumulate_equals_one_full_batch_step():
     return model, opt_state
 
   micro = [(_microbatch(x, i, every_k), _microbatch(y, i, every_k)) for i in range(every_k)]
-  accumulated, state = train(accum_jax.accumulate(optax.adam(1e-2), every_k=every_k), model, micro)
-  full, _ = train(optax.adam(1e-2), model, [(x, y)])
+  inner = OPTIMIZERS[optimizer]
+  accumulated, state = train(accum_jax.accumulate(inner(), every_k=every_k), model, micro)
+  full, _ = train(inner(), model, [(x, y)])
   assert int(accum_jax.optimizer_step(state)) == 1
   assert not eqx.tree_equal(accumulated, model)  # the step happened
   tree_allclose(eqx.filter(accumulated, eqx.is_array), eqx.filter(full, eqx.is_array))
@@ -397,3 +410,22 @@ def test_equinox_example_matches_the_full_batch(tmp_path):
   assert set(differences) == {"filter_value_and_grad", "accumulate"}, out.stdout
   assert all(d < EXAMPLE_TOLERANCE for d in differences.values()), out.stdout
   assert (tmp_path / "equinox_mlp.png").stat().st_size > 0
+
+
+# ---------------------------------------------------------------------------
+# Every ```python block of the Equinox guide runs as written.
+
+GUIDE = Path(__file__).resolve().parent.parent / "docs" / "guides" / "equinox.md"
+
+
+def _guide_blocks() -> list[str]:
+  return re.findall(r"^```python\n(.*?)^```", GUIDE.read_text(), re.M | re.S)
+
+
+def test_the_guide_has_examples_for_each_section():
+  assert len(_guide_blocks()) >= 5
+
+
+@pytest.mark.parametrize("index", range(len(_guide_blocks())))
+def test_a_guide_example_runs(index):
+  exec(compile(_guide_blocks()[index], str(GUIDE), "exec"), {"__name__": "guide"})
