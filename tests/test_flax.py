@@ -256,22 +256,27 @@ def test_has_updated_and_optimizer_step_read_an_nnx_optimizer():
 class MnistCNN(nnx.Module):
   """The Flax NNX MNIST tutorial's CNN, shrunk to 8x8 images and 4 channels.
 
-  Dropout draws from the ``rngs`` the call passes (the tutorial's way), else
-  from ``dropout_rngs``, an ``nnx.Rngs`` the model holds.
+  Its two dropout layers draw from the ``rngs`` the call passes (the tutorial's
+  way) or from ``dropout_rngs``, an ``nnx.Rngs`` the model holds; holding one and
+  passed another, the first layer draws from the held one, the second from the
+  passed one, so when they are one object its count advances twice per call.
   """
 
   def __init__(self, *, rngs: nnx.Rngs, dropout_rngs: nnx.Rngs | None = None):
     # No bias before BatchNorm: its gradient is zero up to round-off, which Adam
     # scales up to full steps of either sign, so no two summation orders agree.
     self.conv = nnx.Conv(1, 4, kernel_size=(3, 3), use_bias=False, rngs=rngs)
+    self.dropout1 = nnx.Dropout(rate=0.1)
     self.batch_norm = nnx.BatchNorm(4, momentum=0.9, rngs=rngs)
-    self.dropout = nnx.Dropout(rate=0.25)
+    self.dropout2 = nnx.Dropout(rate=0.25)
     self.linear = nnx.Linear(4 * 4 * 4, 3, rngs=rngs)
     self.dropout_rngs = dropout_rngs
 
   def __call__(self, x, rngs: nnx.Rngs | None = None):
-    x = nnx.avg_pool(nnx.relu(self.batch_norm(self.conv(x))), (2, 2), strides=(2, 2))
-    x = self.dropout(x.reshape(x.shape[0], -1), rngs=rngs or self.dropout_rngs)
+    held = self.dropout_rngs
+    x = self.dropout1(self.conv(x), rngs=held if held is not None else rngs)
+    x = nnx.avg_pool(nnx.relu(self.batch_norm(x)), (2, 2), strides=(2, 2))
+    x = self.dropout2(x.reshape(x.shape[0], -1), rngs=rngs if rngs is not None else held)
     return self.linear(x)
 
 
@@ -377,10 +382,10 @@ def test_nnx_value_and_grad_in_a_step_equals_accumulate_across_calls_on_the_mnis
   assert _relative_l2(params, reference_params) < RTOL
   assert _relative_l2(stats, reference_stats) < RTOL
   tree_allclose(metrics.compute(), reference_metrics.compute())
-  # Two steps of four microbatches drew eight dropout keys, as eight calls did.
-  stream = (rngs or model.dropout_rngs).default
-  reference_stream = (reference_rngs or reference.dropout_rngs).default
-  assert int(stream.count[...]) == int(reference_stream.count[...]) == 8
+  # Two steps of four microbatches, two dropout layers: 16 keys, as eight calls drew.
+  stream = (rngs if rngs is not None else model.dropout_rngs).default
+  reference_stream = (reference_rngs if rngs is not None else reference.dropout_rngs).default
+  assert int(stream.count[...]) == int(reference_stream.count[...]) == 16
   if shared:
     assert model.dropout_rngs is rngs  # still one object
   # nnx.Optimizer.step counts calls; optimizer_step counts the updates applied.
