@@ -58,14 +58,16 @@ class MLP(eqx.Module):
   mlp: eqx.nn.MLP
   head: eqx.nn.Lambda
   scale: float  # a Python float leaf
+  shift: jax.Array  # an integer array: not differentiated, still an array
 
   def __init__(self, key):
     self.mlp = eqx.nn.MLP(4, 2, width_size=8, depth=1, activation=jax.nn.relu, key=key)
     self.head = eqx.nn.Lambda(lambda y: y[0] - jnp.tanh(y[1]))
     self.scale = 0.5
+    self.shift = jnp.array(1, jnp.int32)
 
   def __call__(self, x):
-    return self.scale * self.head(self.mlp(x))
+    return self.scale * self.head(self.mlp(x)) + 0.1 * self.shift
 
 
 class CNN(eqx.Module):
@@ -151,6 +153,23 @@ def test_the_decorator_form_and_keyword_arguments_pass_through():
 
   full = eqx.filter_value_and_grad(reference, has_aux=True)(model, x, y)
   tree_allclose(((loss, aux), grads), full)
+
+
+def masked_mse(model, batch):
+  errors = (jax.vmap(model)(batch["x"]) - batch["y"]) ** 2
+  return jnp.sum(errors * batch["mask"]) / jnp.maximum(jnp.sum(batch["mask"]), 1)
+
+
+def test_weight_fn_sees_the_users_batch_and_gives_the_full_batch_token_mean():
+  model, x, y = _problem("mlp")
+  # Microbatches of 5 and 16 valid rows: the mean of microbatch means would differ.
+  mask = jnp.asarray(np.arange(BATCH_SIZE) % 2 == 0, jnp.float32).at[:5].set(0).at[16:].set(1)
+  batch = {"x": x, "y": y, "mask": mask}
+  vg = accum_jax.equinox.filter_value_and_grad(
+      masked_mse, 2, weight_fn=lambda batch: batch["mask"].sum()
+  )
+  out = eqx.filter_jit(vg)(model, batch)
+  tree_allclose(out, eqx.filter_jit(eqx.filter_value_and_grad(masked_mse))(model, batch))
 
 
 # ---------------------------------------------------------------------------
