@@ -1,10 +1,11 @@
-"""The README's table of errors, checked against the code.
+"""The errors reference of the documentation, checked against the code.
 
-Each row of the table between the ``errors-table`` markers in README.md is keyed by its
-"when" cell: ``TRIGGERS`` holds a call that must raise a ``ValueError`` whose message
-contains the row's excerpt verbatim, ``BEHAVIOURS`` a check for the rows marked
-"(no error)". A row without an entry, or an entry without a row, fails: the README and
-the code cannot drift apart.
+Each row of the table between the ``errors-table`` markers in docs/errors.md is keyed
+by its "when" cell: ``TRIGGERS`` holds a call that must raise a ``ValueError`` whose
+message contains the row's excerpt verbatim, ``BEHAVIOURS`` a check for the rows
+marked "(no error)". A row without an entry, or an entry without a row, fails: the
+docs and the code cannot drift apart. The row's "test" cell is its test id here
+(``pytest tests/test_errors.py -k <id>``).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from helpers import tree_allclose
 
 import accum_jax
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+ERRORS_PAGE = Path(__file__).resolve().parent.parent / "docs" / "errors.md"
 NO_ERROR = "(no error)"
 
 
@@ -33,6 +34,7 @@ class Row(NamedTuple):
   when: str
   message: str  # the excerpt, without its backticks
   fix: str
+  test_id: str
 
 
 def _cells(line: str) -> list[str]:
@@ -40,27 +42,29 @@ def _cells(line: str) -> list[str]:
   return [cell.strip().replace(r"\|", "|") for cell in cells]
 
 
-def readme_rows() -> list[Row]:
-  text = README.read_text()
+def table_rows() -> list[Row]:
+  text = ERRORS_PAGE.read_text()
   section = re.search(r"<!-- errors-table -->(.*?)<!-- /errors-table -->", text, re.DOTALL)
-  assert section, "README.md has no errors-table section"
+  assert section, "docs/errors.md has no errors-table section"
   lines = [line for line in section.group(1).splitlines() if line.startswith("|")]
   header, rule, *body = lines
-  assert _cells(header) == ["raised by", "when", "message (excerpt)", "fix"], header
+  assert _cells(header) == ["raised by", "when", "message (excerpt)", "fix", "test"], header
   assert set(rule) <= set("|-: "), rule
   rows = []
   for line in body:
     cells = _cells(line)
-    assert len(cells) == 4, f"a row needs 4 cells: {line}"
+    assert len(cells) == 5, f"a row needs 5 cells: {line}"
     message = cells[2]
     if not message.startswith(NO_ERROR):
       assert message.startswith("`") and message.endswith("`"), f"quote the excerpt: {line}"
       message = message[1:-1]
-    rows.append(Row(cells[0], cells[1], message, cells[3]))
+    test_id = cells[4].strip("`")
+    assert re.fullmatch(r"[a-z0-9]+(-[a-z0-9]+)*", test_id), f"a test id is a-z, 0-9, -: {line}"
+    rows.append(Row(cells[0], cells[1], message, cells[3], test_id))
   return rows
 
 
-ROWS = readme_rows()
+ROWS = table_rows()
 
 
 def _loss(w, batch):
@@ -154,7 +158,9 @@ TRIGGERS: dict[str, Callable[[], object]] = {
     "`argnums=()`": lambda: _vg(argnums=()),
     "`batch_argnums=()`": lambda: _vg(batch_argnums=()),
     "`state_argnums` names more than one argument": lambda: _vg(state_argnums=(2, 3)),
-    "one argument has two roles (e.g. in `argnums` and `batch_argnums`)": lambda: _vg(argnums=1),
+    "one argument has two roles (e.g. in `argnums` and `batch_argnums`)": lambda: _vg(
+        argnums=1, batch_argnums=1
+    ),
     "`aux_reduction` is unknown": lambda: _vg(aux_reduction="max"),
     "`split` is unknown": lambda: _vg(split="rows"),
     "`pad_batch=True` without `weight_fn`": lambda: _vg(pad_batch=True),
@@ -165,8 +171,13 @@ TRIGGERS: dict[str, Callable[[], object]] = {
     "an `rng_argnums` argument is not a PRNG key": lambda: _vg(rng_argnums=2)(
         W, jnp.ones((4, 3)), 0
     ),
-    "a batch argument has a leaf without a batch axis": lambda: _vg()(W, jnp.float32(1.0)),
-    "the batch arguments hold no arrays": lambda: _vg()(W, {}),
+    "a batch argument has a leaf without a batch axis": lambda: _vg(batch_argnums=1)(
+        W, jnp.float32(1.0)
+    ),
+    "`batch_argnums=None` (the default) and no positional argument is a batch": lambda: _vg()(
+        W, jnp.float32(1.0)
+    ),
+    "the batch arguments hold no arrays": lambda: _vg(batch_argnums=1)(W, {}),
     "batch leaves have different leading (batch) sizes": lambda: _vg(batch_argnums=(1, 2))(
         W, jnp.ones((4, 3)), jnp.ones(6)
     ),
@@ -201,7 +212,7 @@ TRIGGERS: dict[str, Callable[[], object]] = {
     "`memory_budget_bytes=None` and the device has no free memory": _plan_on_a_full_device,
     "the backend gives no memory analysis of compiled programs": _plan_without_memory_analysis,
     "`batch_argnums` names an argument that was not given to plan with": lambda: (
-        accum_jax.plan_microbatches(_loss, W, memory_budget_bytes=2**30)
+        accum_jax.plan_microbatches(_loss, W, memory_budget_bytes=2**30, batch_argnums=1)
     ),
     "the batch does not split over the devices of the data axis": lambda: _plan(
         jnp.ones((12, 3)), mesh=_mesh()
@@ -255,9 +266,11 @@ BEHAVIOURS: dict[str, Callable[[], None]] = {
 }
 
 
-def test_the_readme_table_rows_are_unique_and_cover_the_required_cases():
+def test_the_table_rows_are_unique_and_cover_the_required_cases():
   whens = [row.when for row in ROWS]
   assert len(whens) == len(set(whens)), "two rows have the same 'when'"
+  test_ids = [row.test_id for row in ROWS]
+  assert len(test_ids) == len(set(test_ids)), "two rows have the same test id"
   messages = " ".join(row.message for row in ROWS)
   for required in (
       "every_k=0 must be an int >= 1",
@@ -272,17 +285,17 @@ def test_the_readme_table_rows_are_unique_and_cover_the_required_cases():
       "a call without `weight` counts weight 1",
       "fits memory_budget_bytes",
   ):
-    assert required in messages, f"the README's errors table lacks {required!r}"
+    assert required in messages, f"the errors table of docs/errors.md lacks {required!r}"
 
 
-def test_every_trigger_and_check_has_a_row_in_the_readme():
+def test_every_trigger_and_check_has_a_row_in_the_table():
   whens = {row.when for row in ROWS}
   assert set(TRIGGERS) - whens == set(), "stale triggers: their rows are gone"
   assert set(BEHAVIOURS) - whens == set(), "stale checks: their rows are gone"
 
 
-@pytest.mark.parametrize("row", [pytest.param(row, id=row.when) for row in ROWS])
-def test_each_readme_row_is_raised_with_its_message_or_behaves_as_it_says(row: Row):
+@pytest.mark.parametrize("row", [pytest.param(row, id=row.test_id) for row in ROWS])
+def test_each_row_is_raised_with_its_message_or_behaves_as_it_says(row: Row):
   if row.message.startswith(NO_ERROR):
     assert row.when in BEHAVIOURS, f"no check in BEHAVIOURS for the row {row.when!r}"
     BEHAVIOURS[row.when]()
