@@ -206,7 +206,23 @@ def _aux_add(total: jax.Array, x: jax.Array, reduction: str, weight, kept) -> ja
 
 
 def _scan(grad_fun, options, call, shapes, args, shard_index, *, kwargs) -> _sharding.LocalSums:
-  """Scans this device's microbatches; returns the un-normalised sums."""
+  """Scans this device's microbatches; returns the un-normalised sums.
+
+  With ``skip_nonfinite``, each microbatch is first judged by its loss alone (a
+  scalar), not by a pass over every gradient leaf: on a model of many small
+  leaves those passes cost more than the arithmetic. A gradient can hold NaN or
+  Inf where its loss does not; then the sums are not finite, and only then is
+  the loop run again judging every microbatch by its gradient too.
+  """
+  loop = functools.partial(_loop, grad_fun, options, call, shapes, args, shard_index, kwargs)
+  if not options.skip_nonfinite:
+    return loop("none")
+  sums = loop("loss")
+  return jax.lax.cond(_core.all_finite(sums.acc.total), lambda: sums, lambda: loop("all"))
+
+
+def _loop(grad_fun, options, call, shapes, args, shard_index, kwargs, check) -> _sharding.LocalSums:
+  """The ``lax.scan``; ``check`` says what must be finite: "none", "loss" or "all"."""
   split = functools.partial(
       _batching.split, num_microbatches=options.num_microbatches, how=options.split
   )
@@ -228,7 +244,9 @@ def _scan(grad_fun, options, call, shapes, args, shard_index, *, kwargs) -> _sha
     acc, aux_sums, state = carry
     out = one(*xs, state, shard_index)
     acc, kept = _core.add(
-        acc, (out.value, out.grads), out.weight, skip_nonfinite=options.skip_nonfinite
+        acc, (out.value, out.grads), out.weight, skip_nonfinite=check == "all",
+        # A zero weight counts for nothing, even with a NaN loss.
+        accept=jnp.isfinite(out.value) | (out.weight == 0) if check == "loss" else True,
     )
     aux = jax.tree.leaves(out.aux)
     aux_sums = [

@@ -266,3 +266,26 @@ def test_a_raw_rbg_key_is_a_key():
   vg = accum_jax.value_and_grad(loss, 4, rng_argnums=2)
   value, _ = jax.jit(vg)(params, x, key)
   assert np.isfinite(value)
+
+
+# A gradient that is not finite where its loss is.
+
+
+def masked_linear_loss(w, x):
+  # Rows with x = inf are masked out of the loss, but not out of its gradient:
+  # d/dw of where(mask, w * x, 0) is where(mask, x, 0) * ..., and 0 * inf is NaN.
+  return jnp.mean(jnp.where(jnp.isfinite(x), w * x, 0.0))
+
+
+def test_a_nan_gradient_under_a_finite_loss_is_skipped_and_counted():
+  x = normal(3, (BATCH, 2))
+  x[5, 1] = np.inf  # microbatch 1 of 4
+  w = np.ones((2,), np.float32)
+  vg = jax.jit(accum_jax.value_and_grad(masked_linear_loss, 4, return_info=True))
+  value, grads, info = vg(w, x)
+  assert np.isfinite(masked_linear_loss(w, x)) and not np.isfinite(
+      jax.grad(masked_linear_loss)(w, x[4:8])).all()
+  kept = np.concatenate([x[:4], x[8:]])
+  expected_value, expected_grads = jax.value_and_grad(masked_linear_loss)(w, kept)
+  assert int(info.num_skipped) == 1 and float(info.total_weight) == 3
+  tree_allclose((value, grads), (expected_value, expected_grads))
