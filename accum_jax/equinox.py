@@ -255,7 +255,8 @@ def filter_value_and_grad(
     grads``, with ``grads`` shaped like the model (``None`` at leaves that are
     not floating-point arrays), ready for ``optax`` and ``eqx.apply_updates``; a
     :class:`accum_jax.MicrobatchInfo` third with ``return_info=True``. Call it
-    under ``eqx.filter_jit`` (or ``jax.jit``).
+    under ``eqx.filter_jit`` (``jax.jit`` takes arrays only, so not a model
+    with an activation function among its leaves).
 
   Raises:
     ValueError: for ``argnums`` or ``state_argnums`` (fixed here), argnums naming
