@@ -7,6 +7,7 @@ from accum_jax._microbatch import MicrobatchInfo, grad, value_and_grad
 from accum_jax._multisteps import MultiSteps
 from accum_jax._parity import LeafDeviation, ParityReport, check_parity
 from accum_jax._planner import MemoryBudgetError, MicrobatchPlan, plan_microbatches
+from accum_jax._resume import abstract_state, abstract_tree
 from accum_jax._transform import (
     AccumulationState,
     EveryKSchedule,
@@ -33,6 +34,8 @@ __all__ = (
     "MultiSteps",
     "ParityReport",
     "ShouldSkipUpdateFunction",
+    "abstract_state",
+    "abstract_tree",
     "accumulate",
     "check_parity",
     "every_k_schedule",

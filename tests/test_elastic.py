@@ -85,10 +85,6 @@ def _number_after(label: str, stdout: str) -> float:
   return float(match.group(1))
 
 
-@pytest.mark.skipif(
-    not hasattr(accum_jax, "abstract_tree"),
-    reason="the example calls accum_jax.abstract_tree, which accum_jax/__init__.py exports",
-)
 def test_the_elastic_resume_example_finishes_on_4_devices_as_if_never_stopped():
   result = subprocess.run(
       [sys.executable, str(EXAMPLE)],
