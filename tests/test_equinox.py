@@ -243,6 +243,31 @@ def test_state_inside_a_dict_of_aux_is_threaded_and_the_rest_reduced():
   )
 
 
+def test_state_under_a_mesh_is_threaded_per_device_and_averaged(mesh):
+  model, state = eqx.nn.make_with_state(BNModel)(jr.key(0))
+  _, x, y = _problem("mlp")
+  grad_fn = accum_jax.equinox.filter_grad(compute_loss, NUM_MICROBATCHES, has_aux=True, mesh=mesh)
+  grads, new_state = eqx.filter_jit(grad_fn)(model, state, x, y)
+  # Reference: each device's shard, microbatch after microbatch; then the mean of all
+  # the gradients and of the devices' floating-point statistics.
+  rows = BATCH_SIZE // NUM_DEVICES
+  all_grads, device_states = [], []
+  for d in range(NUM_DEVICES):
+    model, device_state = eqx.nn.make_with_state(BNModel)(jr.key(0))
+    shard = (x[d * rows : (d + 1) * rows], y[d * rows : (d + 1) * rows])
+    for i in range(NUM_MICROBATCHES):
+      (_, device_state), g = plain_state_value_and_grad(
+          model, device_state, *(_microbatch(part, i) for part in shard)
+      )
+      all_grads.append(g)
+    device_states.append(device_state)
+  ref_state = jax.tree.map(
+      lambda *xs: sum(xs) / len(xs) if jnp.issubdtype(xs[0].dtype, jnp.inexact) else xs[0],
+      *device_states,
+  )
+  tree_allclose((grads, new_state), (_mean(all_grads), ref_state))
+
+
 # ---------------------------------------------------------------------------
 # PRNG keys, positional (a raw jax.random.PRNGKey) or key= (a typed key).
 
