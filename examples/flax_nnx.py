@@ -1,27 +1,35 @@
-"""Flax NNX: a CNN with BatchNorm and Dropout, one Adam update per 4 microbatches of 32.
+"""Flax NNX: the MNIST tutorial's training step, one AdamW update per 4 microbatches of 32.
 
-The 8x8 digits of scikit-learn (no download) train a small NNX CNN. By default
-(``--door accumulate``) the optimizer accumulates across calls::
+The code is shaped like Flax's NNX MNIST tutorial: a CNN with BatchNorm and
+Dropout whose ``__call__`` takes an ``nnx.Rngs``, ``loss_fn(model, rngs,
+batch)`` returning the loss and the logits, ``nnx.Optimizer(model,
+optax.adamw(...), wrt=nnx.Param)``, an ``nnx.MultiMetric`` of accuracy and
+average loss, and ``train_step(model, optimizer, metrics, rngs, batch)``. The
+8x8 digits of scikit-learn (no download) stand in for MNIST.
 
-  nnx.Optimizer(model, accum_jax.accumulate(optax.adam(...), every_k=4), wrt=nnx.Param)
+By default (``--door accumulate``) the optimizer accumulates across calls::
+
+  nnx.Optimizer(model, accum_jax.accumulate(optax.adamw(...), every_k=4), wrt=nnx.Param)
 
 Each jitted call takes one microbatch of 32 and calls ``optimizer.update(model,
-grads, flush=...)``, which passes ``flush`` through to ``accumulate``. Adam
+grads, flush=...)``, which passes ``flush`` through to ``accumulate``. AdamW
 runs on every 4th call, on the mean of the 4 gradients; the other calls leave
 the parameters as they are. The training set is 45 microbatches, so each epoch
 ends with a window of 1, closed with ``flush=True``.
 
 With ``--door value_and_grad`` each call takes a whole batch of 128 instead, and
 ``accum_jax.flax.nnx_value_and_grad`` scans over its 4 microbatches inside the
-call, threading BatchNorm's statistics and the dropout ``nnx.Rngs`` through them;
-plain Adam then updates once per call.
+call, threading the state of the model (BatchNorm statistics) and of the
+``nnx.Rngs`` argument (its count, so each microbatch draws new dropout keys)
+through them; the logits come back as (128, 10) for the metrics, and plain
+AdamW updates once per call.
 
 Both doors see the same microbatches in the same order, with the same dropout
-draws and BatchNorm updates, so they train alike; they differ in each epoch's
+keys and BatchNorm updates, so they train alike; they differ in each epoch's
 last 32 examples, a window of 1 microbatch here, 4 microbatches of 8 there.
 
 The two step counters differ with ``accumulate``: ``nnx.Optimizer.step`` counts
-calls of ``update``, ``accum_jax.optimizer_step(optimizer)`` counts Adam updates.
+calls of ``update``, ``accum_jax.optimizer_step(optimizer)`` counts AdamW updates.
 
   python examples/flax_nnx.py                        # 15 epochs, about 10 s on a laptop CPU
   python examples/flax_nnx.py --door value_and_grad  # the same, microbatched inside a step
@@ -32,8 +40,8 @@ from __future__ import annotations
 
 import argparse
 import time
+from functools import partial
 
-import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
@@ -44,69 +52,82 @@ import accum_jax
 import accum_jax.flax
 
 MICROBATCH_SIZE = 32
-EVERY_K = 4  # microbatches per Adam update: batches of 128
+EVERY_K = 4  # microbatches per AdamW update: batches of 128
 BATCH_SIZE = EVERY_K * MICROBATCH_SIZE
 TRAIN_SIZE = 1440  # 45 microbatches: 11 windows of 4 and a last window of 1
 LEARNING_RATE = 3e-3
 
 
 class CNN(nnx.Module):
-  """Two 3x3 convolutions with BatchNorm (the second with stride 2), dropout, dense."""
+  """Two 3x3 convolutions with BatchNorm and average pooling, dropout, two dense layers."""
 
-  def __init__(self, rngs: nnx.Rngs):
-    self.conv1 = nnx.Conv(1, 8, (3, 3), rngs=rngs)
-    self.norm1 = nnx.BatchNorm(8, momentum=0.9, rngs=rngs)
-    self.conv2 = nnx.Conv(8, 16, (3, 3), strides=2, rngs=rngs)
-    self.norm2 = nnx.BatchNorm(16, momentum=0.9, rngs=rngs)
-    self.dropout = nnx.Dropout(0.2, rngs=rngs)
-    self.dense = nnx.Linear(4 * 4 * 16, 10, rngs=rngs)
+  def __init__(self, *, rngs: nnx.Rngs):
+    self.conv1 = nnx.Conv(1, 8, kernel_size=(3, 3), rngs=rngs)
+    self.batch_norm1 = nnx.BatchNorm(8, momentum=0.9, rngs=rngs)
+    self.dropout1 = nnx.Dropout(rate=0.025)
+    self.conv2 = nnx.Conv(8, 16, kernel_size=(3, 3), rngs=rngs)
+    self.batch_norm2 = nnx.BatchNorm(16, momentum=0.9, rngs=rngs)
+    self.avg_pool = partial(nnx.avg_pool, window_shape=(2, 2), strides=(2, 2))
+    self.linear1 = nnx.Linear(2 * 2 * 16, 64, rngs=rngs)
+    self.dropout2 = nnx.Dropout(rate=0.2)
+    self.linear2 = nnx.Linear(64, 10, rngs=rngs)
 
-  def __call__(self, x):
-    x = nnx.relu(self.norm1(self.conv1(x)))
-    x = nnx.relu(self.norm2(self.conv2(x)))
-    return self.dense(self.dropout(x.reshape(x.shape[0], -1)))
+  def __call__(self, x, rngs: nnx.Rngs | None = None):
+    x = self.avg_pool(nnx.relu(self.batch_norm1(self.dropout1(self.conv1(x), rngs=rngs))))
+    x = self.avg_pool(nnx.relu(self.batch_norm2(self.conv2(x))))
+    x = x.reshape(x.shape[0], -1)  # flatten
+    x = nnx.relu(self.dropout2(self.linear1(x), rngs=rngs))
+    return self.linear2(x)
 
 
 def load_data():
-  """Digits as (N, 8, 8, 1) float32 in [0, 1] and int32 labels, with a fixed split."""
+  """Digits as {"image": (N, 8, 8, 1) float32 in [0, 1], "label": int32}, a fixed split."""
   digits = load_digits()
   images = (digits.images / 16.0).astype(np.float32)[..., None]
   labels = digits.target.astype(np.int32)
-  return train_test_split(
+  train_images, test_images, train_labels, test_labels = train_test_split(
       images, labels, train_size=TRAIN_SIZE, random_state=0, stratify=labels
   )
+  train = {"image": train_images, "label": train_labels}
+  return train, {"image": test_images, "label": test_labels}
 
 
-def loss_fn(model: CNN, images, labels):
-  logits = model(images)
-  loss = optax.losses.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
-  return loss, jnp.mean(jnp.argmax(logits, -1) == labels)
+def loss_fn(model: CNN, rngs: nnx.Rngs | None, batch):
+  logits = model(batch["image"], rngs)
+  loss = optax.softmax_cross_entropy_with_integer_labels(
+      logits=logits, labels=batch["label"]
+  ).mean()
+  return loss, logits
 
 
 @nnx.jit
-def accumulate_step(model, optimizer, images, labels, flush):
-  """One microbatch: its gradient goes into the window; Adam runs when it is full."""
-  (loss, accuracy), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model, images, labels)
+def train_step(model, optimizer, metrics, rngs, batch, flush):
+  """One microbatch: its gradient goes into the window; AdamW runs when it is full."""
+  grad_fn = nnx.value_and_grad(loss_fn, has_aux=True)
+  (loss, logits), grads = grad_fn(model, rngs, batch)
+  metrics.update(loss=loss, logits=logits, labels=batch["label"])
   optimizer.update(model, grads, flush=flush)  # flush reaches accumulate()
-  return loss, accuracy
 
 
-microbatched_value_and_grad = accum_jax.flax.nnx_value_and_grad(
-    loss_fn, num_microbatches=EVERY_K, batch_argnums=(1, 2), has_aux=True
+# The same loss_fn and call as nnx.value_and_grad; model and rngs are threaded
+# through the microbatches, the batch (the only array argument) is split.
+microbatched_grad_fn = accum_jax.flax.nnx_value_and_grad(
+    loss_fn, num_microbatches=EVERY_K, has_aux=True
 )
 
 
 @nnx.jit
-def microbatched_step(model, optimizer, images, labels):
-  """One batch, as 4 microbatches scanned inside the call; then one Adam update."""
-  (loss, accuracy), grads = microbatched_value_and_grad(model, images, labels)
+def microbatched_train_step(model, optimizer, metrics, rngs, batch):
+  """One batch, as 4 microbatches scanned inside the call; then one AdamW update."""
+  (loss, logits), grads = microbatched_grad_fn(model, rngs, batch)  # logits: (batch, 10)
+  metrics.update(loss=loss, logits=logits, labels=batch["label"])
   optimizer.update(model, grads)
-  return loss, accuracy
 
 
 @nnx.jit
-def evaluate(model, images, labels):
-  return jnp.mean(jnp.argmax(model(images), -1) == labels)
+def eval_step(model, metrics, batch):
+  loss, logits = loss_fn(model, None, batch)
+  metrics.update(loss=loss, logits=logits, labels=batch["label"])
 
 
 def main():
@@ -126,41 +147,45 @@ def main():
     parser.error(f"--epochs={epochs} must be >= 1")
 
   start = time.perf_counter()
-  train_images, test_images, train_labels, test_labels = load_data()
-  model = CNN(nnx.Rngs(params=args.seed, dropout=args.seed + 1))
+  train, test = load_data()
+  model = CNN(rngs=nnx.Rngs(args.seed))
+  rngs = nnx.Rngs(args.seed + 1)  # dropout keys, passed to every train step
   if args.door == "accumulate":
-    tx = accum_jax.accumulate(optax.adam(LEARNING_RATE), every_k=EVERY_K)
+    tx = accum_jax.accumulate(optax.adamw(LEARNING_RATE), every_k=EVERY_K)
     print(f"NNX CNN on {TRAIN_SIZE} digits: nnx.Optimizer(model, accum_jax.accumulate("
-          f"optax.adam, every_k={EVERY_K})), one call per microbatch of {MICROBATCH_SIZE}")
+          f"optax.adamw, every_k={EVERY_K})), one call per microbatch of {MICROBATCH_SIZE}")
   else:
-    tx = optax.adam(LEARNING_RATE)
+    tx = optax.adamw(LEARNING_RATE)
     print(f"NNX CNN on {TRAIN_SIZE} digits: accum_jax.flax.nnx_value_and_grad, one call per"
           f" batch of {BATCH_SIZE} scanned as {EVERY_K} microbatches")
   optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
-  # Evaluation sees the same arrays, with dropout off and BatchNorm's running averages.
-  eval_model = nnx.view(model, deterministic=True, use_running_average=True)
-  rng = np.random.default_rng(args.seed)  # shuffling
+  metrics = nnx.MultiMetric(
+      accuracy=nnx.metrics.Accuracy(),
+      loss=nnx.metrics.Average("loss"),
+  )
+  order_rng = np.random.default_rng(args.seed)  # shuffling
 
   for epoch in range(1, epochs + 1):
-    order = rng.permutation(TRAIN_SIZE)
+    order = order_rng.permutation(TRAIN_SIZE)
     size = MICROBATCH_SIZE if args.door == "accumulate" else BATCH_SIZE
     chunks = [order[i : i + size] for i in range(0, TRAIN_SIZE, size)]
-    losses, accuracies = [], []
+    model.train()  # dropout on, BatchNorm on the batch's statistics
     for i, idx in enumerate(chunks):
+      batch = {key: value[idx] for key, value in train.items()}
       if args.door == "accumulate":
         # The epoch's last window holds 1 microbatch: flush it. `flush` is traced,
         # so this does not recompile.
-        flush = i == len(chunks) - 1
-        loss, accuracy = accumulate_step(
-            model, optimizer, train_images[idx], train_labels[idx], flush
-        )
+        train_step(model, optimizer, metrics, rngs, batch, i == len(chunks) - 1)
       else:
-        loss, accuracy = microbatched_step(model, optimizer, train_images[idx], train_labels[idx])
-      losses.append(float(loss))
-      accuracies.append(float(accuracy))
-    accuracy = float(evaluate(eval_model, test_images, test_labels))
-    print(f"epoch {epoch:2d}: train loss {np.mean(losses):.4f}, train accuracy"
-          f" {np.mean(accuracies):.4f}, test accuracy {accuracy:.4f}")
+        microbatched_train_step(model, optimizer, metrics, rngs, batch)
+    train_metrics = {name: float(value) for name, value in metrics.compute().items()}
+    metrics.reset()
+    model.eval()  # dropout off, BatchNorm's running averages
+    eval_step(model, metrics, test)
+    accuracy = float(metrics.compute()["accuracy"])
+    metrics.reset()
+    print(f"epoch {epoch:2d}: train loss {train_metrics['loss']:.4f}, train accuracy"
+          f" {train_metrics['accuracy']:.4f}, test accuracy {accuracy:.4f}")
 
   calls = int(optimizer.step[...])
   print(f"calls of optimizer.update (nnx.Optimizer.step):  {calls}")
@@ -171,6 +196,7 @@ def main():
     print(f"  each epoch: {windows} windows of {EVERY_K} calls and a flushed window of {last}")
   else:
     print(f"Adam updates (one per call):                     {calls}")
+  print(f"dropout keys drawn (rngs.default.count):         {int(rngs.default.count[...])}")
   print(f"test accuracy:                                   {accuracy:.4f}")
   print(f"wall time: {time.perf_counter() - start:.1f} s")
 
