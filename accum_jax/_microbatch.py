@@ -327,7 +327,7 @@ def value_and_grad(
     split: Split = "contiguous",
     pad_batch: bool = False,
     accumulator_dtype: Any = jnp.float32,
-    skip_nonfinite: bool = True,
+    skip_nonfinite: bool | None = None,
     mesh: jax.sharding.Mesh | None = None,
     data_axis: str | None = None,
     return_info: bool = False,
@@ -401,7 +401,10 @@ def value_and_grad(
       NaN or Inf; the normalisation uses only what was kept. When every
       microbatch is skipped, the loss and gradients are NaN (as on the whole
       batch), so a following ``accumulate`` skips the step too. Under ``mesh``
-      each device decides for its own part of a microbatch.
+      each device decides for its own part of a microbatch. None (the default)
+      means True, except that with a dynamic loss scale (``jmp.DynamicLossScale``)
+      among the arguments it must be given: False lets an overflow reach the
+      scaler, as on the whole batch (see the mixed-precision guide).
     mesh: a ``jax.sharding.Mesh`` to run data-parallel on: the batch arguments
       are sharded over ``data_axis``, the other arguments replicated, each
       device accumulates its local gradient, and the devices' sums are reduced
@@ -448,7 +451,7 @@ def value_and_grad(
 
   @functools.wraps(fun)
   def wrapped(*args, **kwargs):
-    call = _options.bind(options, args)
+    call = _options.bind(options, args, kwargs)
     if call.padding:
       args = tuple(
           _batching.pad(arg, call.padding) if n in call.batch_argnums else arg

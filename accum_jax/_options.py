@@ -39,6 +39,7 @@ class Options(NamedTuple):
   pad_batch: bool
   accumulator_dtype: Any
   skip_nonfinite: bool
+  skip_nonfinite_given: bool  # False when skip_nonfinite is the default
   mesh: Any
   data_axis: str | None
   return_info: bool
@@ -109,7 +110,7 @@ def make(
     split: _batching.Split = "contiguous",
     pad_batch: bool = False,
     accumulator_dtype: Any = jnp.float32,
-    skip_nonfinite: bool = True,
+    skip_nonfinite: bool | None = None,
     mesh: Any = None,
     data_axis: str | None = None,
     return_info: bool = False,
@@ -141,7 +142,9 @@ def make(
       state_argnums=state, has_aux=has_aux, weight_fn=weight_fn, aux_reduction=aux_reduction,
       split=split, pad_batch=pad_batch,
       accumulator_dtype=_core.canonicalize_accumulator_dtype(accumulator_dtype),
-      skip_nonfinite=skip_nonfinite, mesh=mesh, data_axis=data_axis, return_info=return_info,
+      skip_nonfinite=skip_nonfinite is None or bool(skip_nonfinite),
+      skip_nonfinite_given=skip_nonfinite is not None, mesh=mesh, data_axis=data_axis,
+      return_info=return_info,
   )
   _check_roles(options.roles())
   _check_choices(options)
@@ -251,8 +254,31 @@ def _check_differentiable(options: Options, args: tuple[Any, ...]) -> None:
         )
 
 
-def bind(options: Options, args: tuple[Any, ...]) -> Call:
+def _is_dynamic_loss_scale(x: Any) -> bool:
+  """A ``jmp.DynamicLossScale``, or an object with its interface."""
+  return all(hasattr(x, a) for a in ("loss_scale", "counter", "adjust", "unscale"))
+
+
+def _check_loss_scale(options: Options, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+  if options.skip_nonfinite_given:
+    return
+  where = [f"argument {i}" for i, a in enumerate(args) if _is_dynamic_loss_scale(a)]
+  where += [f"keyword argument {k!r}" for k, a in kwargs.items() if _is_dynamic_loss_scale(a)]
+  if where:
+    raise ValueError(
+        f"The {where[0]} is a dynamic loss scale: with skip_nonfinite left at its default"
+        " (True), a microbatch whose scaled loss overflows would be skipped, the gradient"
+        " would come back finite, and the scale would never see the overflow. Pass"
+        " skip_nonfinite=False, so that an overflow makes the gradient non-finite as on"
+        " the whole batch (jmp.all_finite(grads) then lowers the scale and the step is"
+        " skipped); or pass skip_nonfinite=True with return_info=True and count"
+        " info.num_skipped > 0 as an overflow."
+    )
+
+
+def bind(options: Options, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> Call:
   """Resolves the roles of one call's positional ``args``; ValueError if they don't fit."""
+  _check_loss_scale(options, args, kwargs or {})
   batch = _find_batch(options, args)
   _check_in_range(options, batch, len(args))
   if options.batch_argnums is None:
