@@ -456,6 +456,21 @@ def test_equinox_example_matches_the_full_batch(tmp_path):
   assert (tmp_path / "equinox_mlp.png").stat().st_size > 0
 
 
+def test_equinox_cnn_example_matches_sequential_calls_and_learns():
+  script = EXAMPLE.parent / "equinox_cnn.py"
+  out = subprocess.run(
+      [sys.executable, str(script), "--quick"], capture_output=True, text=True, check=True
+  ).stdout
+  differences = re.findall(r"^first batch vs sequential calls, (.+?): (\S+)$", out, re.MULTILINE)
+  assert [name for name, _ in differences] == [
+      "|loss diff|", "max |grad diff|", "max |state diff|"
+  ], out
+  assert all(float(d) < EXAMPLE_TOLERANCE for _, d in differences), out
+  first = float(re.search(r"^first loss: (\S+)$", out, re.MULTILINE).group(1))
+  last = float(re.search(r"^last loss: (\S+)$", out, re.MULTILINE).group(1))
+  assert last < first, out
+
+
 # ---------------------------------------------------------------------------
 # Every ```python block of the Equinox guide runs as written.
 
