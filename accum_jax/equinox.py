@@ -145,14 +145,18 @@ def _roles(
           " State, a PRNG key or an argument holding non-arrays is none). Name the"
           " batch with batch_argnums=..."
       )
-  roles = {"batch_argnums": batch_nums, "rng_argnums": rng_nums, "state": state_nums}
+  roles = {
+      f"batch_argnums={batch_nums}": batch_nums,
+      f"rng_argnums={rng_nums}": rng_nums,
+      "the eqx.nn.State argument": state_nums,
+  }
   names = list(roles)
   for a_i, a in enumerate(names):
     for b in names[a_i + 1:]:
       if both := set(roles[a]) & set(roles[b]):
         raise ValueError(
-            f"{a}={roles[a]} and {b}={roles[b]} both name argument(s) {sorted(both)}:"
-            " each argument has one role. Fix batch_argnums or rng_argnums."
+            f"{a} and {b} both name argument(s) {sorted(both)}: each argument has one"
+            " role. Fix batch_argnums or rng_argnums."
         )
   # A raw key, uint32[2], looks like a batch of two; say so rather than guess.
   sizes = {jnp.shape(leaf)[0] for i in batch_nums for leaf in jax.tree.leaves(parts[i][0])}

@@ -409,6 +409,11 @@ ERROR_CASES = {
         (_two_states_loss, "state", "state2", "x"),
         "Arguments [1, 2] are all eqx.nn.State objects",
     ),
+    "a State named as a batch": (
+        dict(has_aux=True, batch_argnums=(1, 2)),
+        (compute_loss, "state", "x", "y"),
+        "batch_argnums=(1, 2) and the eqx.nn.State argument both name argument(s) [1]",
+    ),
     "raw key or batch of two": (
         {},
         (lambda m, x, k: mse(m, x, x[:, 0]), "x[:2]", "raw_key"),
