@@ -2,10 +2,12 @@
 
 The ```python blocks of the pages under docs/ run and must print the ```text block
 shown after them (see tests/test_readme.py). The guides under docs/guides/ are
-included as they land; a block of theirs without a ```text block runs unchecked. The API reference is generated from ``__all__`` by autosummary;
-``docs/_ext/api_coverage.py`` fails the build on a public name without an entry, and
-the tests below check, without building, that every public name has a docstring with
-an example and that the coverage check would see it.
+included as they land; a block of theirs without a ```text block runs unchecked.
+
+The API reference is generated from ``__all__`` by autosummary, and
+``docs/_ext/api_coverage.py`` fails the build on a public name without an entry; the
+tests below check, without building, that every public name has a docstring with an
+example and that the coverage check sees it.
 """
 
 from __future__ import annotations

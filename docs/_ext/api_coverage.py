@@ -10,11 +10,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
-
-from sphinx.application import Sphinx
-from sphinx.util import logging
-
-logger = logging.getLogger(__name__)
+from typing import Any
 
 
 def public_modules(package: str = "accum_jax") -> list[str]:
@@ -46,12 +42,15 @@ def missing_entries(documented: set[str]) -> list[str]:
   return missing
 
 
-def _check(app: Sphinx, env) -> None:
+def _check(app: Any, env: Any) -> None:
+  from sphinx.util import logging  # imported here: the tests use this module without Sphinx
+
+  logger = logging.getLogger(__name__)
   documented = set(env.get_domain("py").objects)
   for name in missing_entries(documented):
     logger.warning("the API reference has no entry for %s", name, type="api_coverage")
 
 
-def setup(app: Sphinx) -> dict:
+def setup(app: Any) -> dict:
   app.connect("env-check-consistency", _check)
   return {"parallel_read_safe": True, "parallel_write_safe": True}
