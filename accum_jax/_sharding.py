@@ -62,6 +62,15 @@ def _is_dynamic(x: Any) -> bool:
   return isinstance(x, (jax.Array, np.ndarray, np.generic))
 
 
+def _leaf_specs(args: tuple[Any, ...], batch_argnums: tuple[int, ...], axis: str) -> list[P]:
+  """Per leaf of ``args``: split over ``axis`` for a batch argument, else replicated."""
+  return [
+      P(axis) if i in batch_argnums else P()
+      for i, arg in enumerate(args)
+      for _ in jax.tree.leaves(arg)
+  ]
+
+
 def data_parallel(
     local_sums: Callable[..., LocalSums],
     args: tuple[Any, ...],
@@ -79,14 +88,7 @@ def data_parallel(
   """
   leaves, treedef = jax.tree.flatten(args)
   dynamic = [x if _is_dynamic(x) else None for x in leaves]
-  batch_leaf = [False] * len(leaves)
-  start = 0
-  for i, arg in enumerate(args):
-    count = len(jax.tree.leaves(arg))
-    if i in batch_argnums:
-      batch_leaf[start:start + count] = [True] * count
-    start += count
-  in_specs = [P(axis) if is_batch else P() for is_batch in batch_leaf]
+  in_specs = _leaf_specs(args, batch_argnums, axis)
   if any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
     # Under explicit sharding shard_map takes arguments only as its specs say.
     dynamic = [
