@@ -18,6 +18,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from accum_jax import _core
+
 
 def resolve_mesh(mesh: Any, data_axis: str | None) -> tuple[Any, str]:
   """The mesh to use (``mesh`` or the ambient one) and its data axis."""
@@ -99,8 +101,12 @@ def data_parallel(
   def per_device(dynamic_leaves):
     local = [d if d is not None else s for d, s in zip(dynamic_leaves, leaves)]
     sums = local_sums(jax.tree.unflatten(treedef, local), jax.lax.axis_index(axis))
-    # The one cross-device reduction of the call.
-    acc, aux_sums = jax.lax.psum((sums.acc, sums.aux_sums), axis)
+    # The one cross-device reduction of the call. A narrow accumulator holds a
+    # running mean, which `_core.merge` weighs by each device's weight first.
+    if any(_core.is_narrow(x.dtype) for x in jax.tree.leaves(sums.acc.total)):
+      acc, aux_sums = _core.merge(sums.acc, axis), jax.lax.psum(sums.aux_sums, axis)
+    else:
+      acc, aux_sums = jax.lax.psum((sums.acc, sums.aux_sums), axis)
     state = jax.tree.map(
         lambda s: jax.lax.pmean(s, axis) if jnp.issubdtype(s.dtype, jnp.inexact) else s,
         sums.state,

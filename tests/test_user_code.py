@@ -289,3 +289,19 @@ def test_a_nan_gradient_under_a_finite_loss_is_skipped_and_counted():
   expected_value, expected_grads = jax.value_and_grad(masked_linear_loss)(w, kept)
   assert int(info.num_skipped) == 1 and float(info.total_weight) == 3
   tree_allclose((value, grads), (expected_value, expected_grads))
+
+
+def test_a_float16_accumulator_under_a_mesh_equals_the_float32_one():
+  # Gradients of ~2000 in float16: eight devices' sums of them would overflow
+  # float16, and their running means must be weighed, not added.
+  mesh = jax.make_mesh((8,), ("data",))
+  w = np.ones((3,), np.float16)
+  x = (normal(4, (64, 3)) * 30).astype(np.float16)
+
+  def loss(w, x):
+    return jnp.mean((x @ w) ** 2)
+
+  narrow = jax.jit(accum_jax.grad(loss, 2, mesh=mesh, accumulator_dtype=None))(w, x)
+  wide = jax.jit(accum_jax.grad(loss, 2, mesh=mesh))(w, x)
+  assert narrow.dtype == jnp.float16 and np.isfinite(narrow).all()
+  np.testing.assert_allclose(narrow.astype(np.float32), wide.astype(np.float32), rtol=2e-3)
