@@ -298,7 +298,12 @@ def _accumulate(
         inner_opt_state=inner_state,
         last_updated=apply,
         num_empty_windows=state.num_empty_windows + empty_window.astype(jnp.int32),
-        value_accumulator=_restart_where(window_done, value_accumulator),
+        # Untouched (no work, nothing compiled) when no value is passed.
+        value_accumulator=(
+            state.value_accumulator
+            if value is None
+            else _restart_where(window_done, value_accumulator)
+        ),
         skip_state=skip_state,
     )
 
