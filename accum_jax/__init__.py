@@ -5,6 +5,7 @@ from importlib import metadata as _metadata
 from accum_jax._core import Accumulator
 from accum_jax._microbatch import MicrobatchInfo, grad, value_and_grad
 from accum_jax._multisteps import MultiSteps
+from accum_jax._noise import GradientNoise, NoiseScaleEMA
 from accum_jax._parity import LeafDeviation, ParityReport, check_parity
 from accum_jax._planner import MemoryBudgetError, MicrobatchPlan, plan_microbatches
 from accum_jax._resume import abstract_state, abstract_tree
@@ -27,11 +28,13 @@ __all__ = (
     "Accumulator",
     "AccumulationState",
     "EveryKSchedule",
+    "GradientNoise",
     "LeafDeviation",
     "MemoryBudgetError",
     "MicrobatchInfo",
     "MicrobatchPlan",
     "MultiSteps",
+    "NoiseScaleEMA",
     "ParityReport",
     "ShouldSkipUpdateFunction",
     "abstract_state",

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from accum_jax import _batching, _core, _options, _sharding
+from accum_jax import _batching, _core, _noise, _options, _sharding
 from accum_jax._batching import Split, divisors  # noqa: F401  (re-exported for the planner)
 from accum_jax._options import AuxReduction
 
@@ -33,10 +33,14 @@ class MicrobatchInfo(NamedTuple):
       loss scaling, a non-zero count is an overflow the scaler must see.
     total_weight: the sum of the kept microbatches' weights (their number when
       there is no ``weight_fn``); shape=(), dtype=float32.
+    gradient_noise: with ``gradient_noise=True``, the :class:`GradientNoise`
+      estimated from the microbatches' gradients (per unit of weight; per
+      example without ``weight_fn``); else None.
   """
 
   num_skipped: jax.Array
   total_weight: jax.Array
+  gradient_noise: _noise.GradientNoise | None = None
 
 
 class _Shapes(NamedTuple):
@@ -238,10 +242,11 @@ def _loop(grad_fun, options, call, shapes, args, shard_index, kwargs, check) -> 
       for x, r in zip(jax.tree.leaves(shapes.aux), shapes.reductions)
   ]
   state = args[options.state_argnums[0]] if options.state_argnums else None
+  noise = _noise.zero_sums() if options.gradient_noise else None
 
   @functools.partial(jax.named_call, name="accum_jax_microbatch")
   def body(carry, xs):
-    acc, aux_sums, state = carry
+    acc, aux_sums, state, noise = carry
     out = one(*xs, state, shard_index)
     acc, kept = _core.add(
         acc, (out.value, out.grads), out.weight, skip_nonfinite=check == "all",
@@ -256,15 +261,20 @@ def _loop(grad_fun, options, call, shapes, args, shard_index, kwargs, check) -> 
     per_example = [x if r in ("concat", "stack") else None for x, r in zip(aux, shapes.reductions)]
     if options.state_argnums:
       state = jax.tree.map(lambda new, old: jnp.where(kept, new, old), out.state, state)
-    return (acc, aux_sums, state), per_example
+    if options.gradient_noise:  # without weight_fn, a microbatch weighs its rows
+      size = call.rows if out.weight is None else out.weight
+      noise = _noise.add(noise, out.grads, size, kept)
+    return (acc, aux_sums, state, noise), per_example
 
   xs = (jnp.arange(options.num_microbatches, dtype=jnp.int32), batch)
-  (acc, aux_sums, state), stacked = jax.lax.scan(body, (acc, aux_sums, state), xs)
+  (acc, aux_sums, state, noise), stacked = jax.lax.scan(
+      body, (acc, aux_sums, state, noise), xs
+  )
   per_example = [
       _batching.unsplit(x, options.split) if r == "concat" else x
       for x, r in zip(stacked, shapes.reductions)
   ]
-  return _sharding.LocalSums(acc, aux_sums, state, per_example)
+  return _sharding.LocalSums(acc, aux_sums, state, per_example, noise)
 
 
 def _drop_padding(x: jax.Array, call: _options.Call) -> jax.Array:
@@ -309,8 +319,19 @@ def _finalise(sums: _sharding.LocalSums, shapes: _Shapes, options, call) -> Any:
     aux = (sums.state, aux)
   out = (value, aux) if options.has_aux else value
   if options.return_info:
-    return out, grads, MicrobatchInfo(acc.num_skipped, acc.weight)
+    return out, grads, MicrobatchInfo(acc.num_skipped, acc.weight, _noise_estimate(sums, shapes))
   return out, grads
+
+
+def _noise_estimate(sums: _sharding.LocalSums, shapes: _Shapes) -> _noise.GradientNoise | None:
+  if sums.noise is None:
+    return None
+  wide = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, jnp.promote_types(x.dtype, jnp.float32)),
+      (shapes.value, shapes.grads),
+  )
+  _, mean_grads = _core.result(sums.acc, wide, "mean")
+  return _noise.estimate(sums.noise, mean_grads)
 
 
 def value_and_grad(
@@ -331,6 +352,7 @@ def value_and_grad(
     mesh: jax.sharding.Mesh | None = None,
     data_axis: str | None = None,
     return_info: bool = False,
+    gradient_noise: bool = False,
 ) -> Callable[..., Any]:
   """``jax.value_and_grad`` over a batch split into microbatches.
 
@@ -412,6 +434,11 @@ def value_and_grad(
       ``jax.set_mesh`` when ``data_axis`` is given.
     data_axis: the mesh axis the batch is sharded over.
     return_info: also return a :class:`MicrobatchInfo`.
+    gradient_noise: estimate the gradient noise from the microbatches'
+      gradients (one squared norm per microbatch; under ``mesh`` each device's
+      part of a microbatch is a small batch, and the sums join the one
+      reduction after the loop), as ``info.gradient_noise``. Needs
+      ``return_info``.
 
   Returns:
     A function with ``fun``'s signature returning what ``jax.value_and_grad``
@@ -445,7 +472,7 @@ def value_and_grad(
       weight_fn=weight_fn, rng_argnums=rng_argnums, state_argnums=state_argnums,
       aux_reduction=aux_reduction, split=split, pad_batch=pad_batch,
       accumulator_dtype=accumulator_dtype, skip_nonfinite=skip_nonfinite, mesh=mesh,
-      data_axis=data_axis, return_info=return_info,
+      data_axis=data_axis, return_info=return_info, gradient_noise=gradient_noise,
   )
   grad_fun = _checked(fun, options)
 

@@ -43,6 +43,7 @@ class Options(NamedTuple):
   mesh: Any
   data_axis: str | None
   return_info: bool
+  gradient_noise: bool
 
   @property
   def data_parallel(self) -> bool:
@@ -114,6 +115,7 @@ def make(
     mesh: Any = None,
     data_axis: str | None = None,
     return_info: bool = False,
+    gradient_noise: bool = False,
 ) -> Options:
   """Checks the options of ``value_and_grad``; raises a ValueError naming the bad one."""
   if (n := _core.positive_int(num_microbatches)) is None:
@@ -144,7 +146,7 @@ def make(
       accumulator_dtype=_core.canonicalize_accumulator_dtype(accumulator_dtype),
       skip_nonfinite=skip_nonfinite is None or bool(skip_nonfinite),
       skip_nonfinite_given=skip_nonfinite is not None, mesh=mesh, data_axis=data_axis,
-      return_info=return_info,
+      return_info=return_info, gradient_noise=bool(gradient_noise),
   )
   _check_roles(options.roles())
   _check_choices(options)
@@ -173,6 +175,11 @@ def _check_choices(options: Options) -> None:
     raise ValueError(
         f"split={options.split!r} is not one of {_batching.SPLITS}: 'contiguous' makes"
         " microbatch i of consecutive rows, 'strided' of rows i, i + N, i + 2N, ..."
+    )
+  if options.gradient_noise and not options.return_info:
+    raise ValueError(
+        "gradient_noise=True needs return_info=True: the estimate comes back as"
+        " info.gradient_noise."
     )
   if options.state_argnums and not options.has_aux:
     raise ValueError(

@@ -52,12 +52,15 @@ class LocalSums(NamedTuple):
     state: the threaded state after the last microbatch (None without one).
     per_example: per aux leaf, its outputs in batch order (``"concat"``), or
       stacked by microbatch (``"stack"``), or None for a summed leaf.
+    noise: the sums of the gradient-noise estimate, an ``_noise.NoiseSums``, or
+      None without ``gradient_noise``.
   """
 
   acc: Any
   aux_sums: list[Any]
   state: Any
   per_example: list[Any]
+  noise: Any = None
 
 
 def _is_dynamic(x: Any) -> bool:
@@ -103,17 +106,19 @@ def data_parallel(
     sums = local_sums(jax.tree.unflatten(treedef, local), jax.lax.axis_index(axis))
     # The one cross-device reduction of the call. A narrow accumulator holds a
     # running mean, which `_core.merge` weighs by each device's weight first.
+    # Each device's microbatch is a small batch of the noise estimate.
     if any(_core.is_narrow(x.dtype) for x in jax.tree.leaves(sums.acc.total)):
-      acc, aux_sums = _core.merge(sums.acc, axis), jax.lax.psum(sums.aux_sums, axis)
+      acc = _core.merge(sums.acc, axis)
+      aux_sums, noise = jax.lax.psum((sums.aux_sums, sums.noise), axis)
     else:
-      acc, aux_sums = jax.lax.psum((sums.acc, sums.aux_sums), axis)
+      acc, aux_sums, noise = jax.lax.psum((sums.acc, sums.aux_sums, sums.noise), axis)
     state = jax.tree.map(
         lambda s: jax.lax.pmean(s, axis) if jnp.issubdtype(s.dtype, jnp.inexact) else s,
         sums.state,
     )
-    return LocalSums(acc, aux_sums, state, sums.per_example)
+    return LocalSums(acc, aux_sums, state, sums.per_example, noise)
 
-  out_specs = LocalSums(acc=P(), aux_sums=P(), state=P(), per_example=P(axis))
+  out_specs = LocalSums(acc=P(), aux_sums=P(), state=P(), per_example=P(axis), noise=P())
   # check_vma=False: the gradient of a replicated argument stays a per-device
   # partial sum until the explicit psum above, instead of being all-reduced in
   # every iteration of the scan. axis_names: only the data axis is manual, so

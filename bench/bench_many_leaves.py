@@ -7,7 +7,8 @@ interleaved in one process (median of rounds):
 
 * ``scan``: the hand-written loop every user could write (no skip, no weights);
 * ``accum_jax``: ``value_and_grad`` with its defaults (``skip_nonfinite=True``);
-* ``accum_jax, skip_nonfinite=False``.
+* ``accum_jax, skip_nonfinite=False``;
+* ``accum_jax, gradient_noise=True``: one squared norm per microbatch more.
 
 Run: ``python bench/bench_many_leaves.py [--rounds 30]``.
 """
@@ -94,6 +95,9 @@ def main(rounds: int) -> dict[str, float]:
       "accum_jax": jax.jit(accum_jax.value_and_grad(loss_fn, N)),
       "accum_jax, skip_nonfinite=False": jax.jit(
           accum_jax.value_and_grad(loss_fn, N, skip_nonfinite=False)
+      ),
+      "accum_jax, gradient_noise=True": jax.jit(
+          accum_jax.value_and_grad(loss_fn, N, gradient_noise=True, return_info=True)
       ),
   }
   reference = steps["scan"](params, tokens)

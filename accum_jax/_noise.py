@@ -1,0 +1,161 @@
+"""The gradient noise scale, measured from the small batches that accumulation sees.
+
+Every accumulated step already holds K small-batch gradients of the same
+parameters. With weights (batch sizes) ``b_k``, their mean gradients ``g_k``,
+``B = sum b_k`` and the combined gradient ``g = sum b_k g_k / B``, for a
+per-example gradient of mean ``G`` and covariance ``Sigma`` (McCandlish et al.
+2018, "An Empirical Model of Large-Batch Training", Appendix A)::
+
+  E[sum b_k |g_k|^2 / B - |g|^2] = (K - 1) tr(Sigma) / B
+  E[|g|^2] = |G|^2 + tr(Sigma) / B
+
+so both estimates below are unbiased::
+
+  trace_cov = (sum b_k |g_k|^2 / B - |g|^2) * B / (K - 1)
+  grad_sq   = |g|^2 - trace_cov / B
+
+The simple noise scale ``B_simple = tr(Sigma) / |G|^2`` is the batch size (in
+the unit of the weights) past which a larger batch buys little; estimate it as a
+ratio of averages over steps (:class:`NoiseScaleEMA`), not an average of ratios.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class GradientNoise(NamedTuple):
+  """Unbiased estimates of ``|G|^2`` and ``tr(Sigma)`` from one step's small batches.
+
+  Attributes:
+    grad_sq: the squared norm of the true gradient, ``|G|^2``; shape=(),
+      dtype=float32. NaN with fewer than two kept small batches.
+    trace_cov: the trace of the per-example gradient covariance, in the unit of
+      the weights (per example, per token...); shape=(), dtype=float32.
+  """
+
+  grad_sq: jax.Array
+  trace_cov: jax.Array
+
+  @property
+  def simple_noise_scale(self) -> jax.Array:
+    """``trace_cov / grad_sq``: one step's (noisy, biased) ``B_simple``."""
+    return self.trace_cov / self.grad_sq
+
+
+class NoiseSums(NamedTuple):
+  """What the noise estimate needs from the small batches, summed like gradients.
+
+  Attributes:
+    weighted_sq: ``sum b_k |g_k|^2``; shape=(), dtype=float32.
+    weight: ``sum b_k``; shape=(), dtype=float32.
+    count: ``K``, the small batches with a positive weight; shape=(), dtype=int32.
+  """
+
+  weighted_sq: jax.Array
+  weight: jax.Array
+  count: jax.Array
+
+
+def squared_norm(tree: Any) -> jax.Array:
+  """``sum |x|^2`` over the leaves of ``tree``, in float32 at least."""
+  leaves = [
+      jnp.sum(jnp.abs(x.astype(jnp.promote_types(x.dtype, jnp.float32))) ** 2)
+      for x in jax.tree.leaves(tree)
+  ]
+  return jnp.sum(jnp.stack(leaves)).real if leaves else jnp.zeros((), jnp.float32)
+
+
+def zero_sums() -> NoiseSums:
+  return NoiseSums(jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32),
+                   jnp.zeros((), jnp.int32))
+
+
+def add(sums: NoiseSums, grads: Any, weight: jax.Array, kept: jax.Array) -> NoiseSums:
+  """Adds one small batch's mean gradient ``grads`` of weight ``weight`` if ``kept``."""
+  weight = jnp.asarray(weight, jnp.float32)
+  keep = kept & (weight > 0)
+  # `where`, not a product with `keep`: a skipped batch's gradient may be NaN.
+  return NoiseSums(
+      sums.weighted_sq + jnp.where(keep, weight * squared_norm(grads), 0.0),
+      sums.weight + jnp.where(keep, weight, 0.0),
+      sums.count + keep.astype(jnp.int32),
+  )
+
+
+def estimate(sums: NoiseSums, mean_grads: Any) -> GradientNoise:
+  """The estimates from the sums and the combined (weighted mean) gradient."""
+  g_sq = squared_norm(mean_grads)
+  batches = sums.count.astype(jnp.float32)
+  total = sums.weight
+  usable = (sums.count >= 2) & (total > 0)
+  safe_total = jnp.where(usable, total, 1.0)
+  trace_cov = (sums.weighted_sq / safe_total - g_sq) * safe_total / jnp.where(
+      usable, batches - 1, 1.0)
+  grad_sq = g_sq - trace_cov / safe_total
+  nan = jnp.full((), jnp.nan, jnp.float32)
+  return GradientNoise(jnp.where(usable, grad_sq, nan), jnp.where(usable, trace_cov, nan))
+
+
+class NoiseScaleEMA(NamedTuple):
+  """Exponential moving averages of ``grad_sq`` and ``trace_cov``, bias-corrected.
+
+  A pure pytree: keep it in the training state, update it inside the jitted
+  step, checkpoint it with the rest. ``simple_noise_scale`` is the ratio of the
+  two averages, which is consistent where the average of per-step ratios is
+  not. Steps whose estimate is NaN (fewer than two kept small batches) leave it
+  as it was.
+
+  Examples:
+    >>> import jax.numpy as jnp, accum_jax
+    >>> ema = accum_jax.NoiseScaleEMA.create(decay=0.9)
+    >>> for trace_cov in (8.0, 12.0):
+    ...   ema = ema.update(accum_jax.GradientNoise(jnp.float32(1.0), jnp.float32(trace_cov)))
+    >>> round(float(ema.simple_noise_scale), 3)  # (0.9 * 0.1 * 8 + 0.1 * 12) / (0.19 * 1)
+    10.105
+  """
+
+  grad_sq: jax.Array
+  trace_cov: jax.Array
+  decay: jax.Array
+  count: jax.Array
+
+  @classmethod
+  def create(cls, decay: float = 0.99) -> NoiseScaleEMA:
+    """An empty average; ``decay`` in [0, 1): the weight of the past per update."""
+    if not 0.0 <= float(decay) < 1.0:
+      raise ValueError(
+          f"NoiseScaleEMA.create(decay={decay!r}): decay must be in [0, 1), e.g. 0.99 to"
+          " average over about 100 steps."
+      )
+    zero = jnp.zeros((), jnp.float32)
+    return cls(zero, zero, jnp.asarray(decay, jnp.float32), jnp.zeros((), jnp.int32))
+
+  def update(self, noise: GradientNoise) -> NoiseScaleEMA:
+    """The average with one more step's estimate (skipped where it is NaN)."""
+    ok = jnp.isfinite(noise.grad_sq) & jnp.isfinite(noise.trace_cov)
+    d = self.decay
+
+    def mix(old, new):
+      return jnp.where(ok, d * old + (1 - d) * jnp.where(ok, new, 0.0), old)
+
+    return self._replace(
+        grad_sq=mix(self.grad_sq, noise.grad_sq),
+        trace_cov=mix(self.trace_cov, noise.trace_cov),
+        count=self.count + ok.astype(jnp.int32),
+    )
+
+  def average(self) -> GradientNoise:
+    """The bias-corrected averages (NaN before the first finite update)."""
+    correction = 1 - self.decay ** self.count.astype(jnp.float32)
+    safe = jnp.where(self.count > 0, correction, jnp.nan)
+    return GradientNoise(self.grad_sq / safe, self.trace_cov / safe)
+
+  @property
+  def simple_noise_scale(self) -> jax.Array:
+    """The bias-corrected ``B_simple``: NaN before the first finite update."""
+    # The bias corrections of the two averages are equal and cancel in the ratio.
+    return jnp.where(self.count > 0, self.trace_cov / self.grad_sq, jnp.nan)
