@@ -22,8 +22,17 @@ class MultiSteps:
   - skips (and counts) non-finite gradients even without a skip function;
   - accepts ``weight=`` and ``flush=`` in ``update``.
 
-  ``acc_grads`` holds the weighted *sum* of the window's gradients (Optax keeps
-  their running mean).
+  ``acc_grads`` holds the weighted *sum* of the window's gradients in a float32
+  accumulator (Optax keeps their running mean); in one narrower than float32
+  (``accumulator_dtype=jnp.float16``, or None with float16 parameters), their
+  running weighted mean, as Optax: a float16 sum overflows where the mean does
+  not. Each leaf accumulates in the promotion of ``accumulator_dtype`` and its
+  gradient's dtype, so complex gradients keep their imaginary part.
+
+  Extra keyword arguments reach the inner optimizer on the updating call;
+  ``value`` (the loss, for ``optax.polyak_sgd`` or
+  ``optax.contrib.reduce_on_plateau``) is then the weighted mean of the
+  window's values rather than the last mini-step's, as on the full batch.
 
   Args:
     opt: the wrapped optimizer.
@@ -34,7 +43,8 @@ class MultiSteps:
       ``optax.skip_not_finite`` or ``functools.partial(optax.skip_large_updates,
       max_squared_norm=...)``; a mini-step it rejects is not accumulated, and
       what it reports lands in ``state.skip_state``.
-    accumulator_dtype: dtype of the accumulator; float32 by default.
+    accumulator_dtype: the least precision of the accumulator; float32 by
+      default. None accumulates in the gradients' dtype.
 
   Examples:
     >>> import jax.numpy as jnp, optax, accum_jax

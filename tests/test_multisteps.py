@@ -9,14 +9,15 @@ import numpy as np
 import optax
 import pytest
 from helpers import (
-    make_params,
-    microbatch_grads,
-    scan_updates,
-    shapes_and_dtypes,
-    stack_trees,
-    tree_allclose,
-    tree_weighted_mean,
-    unstack_tree,
+  make_params,
+  microbatch_grads,
+  scan_updates,
+  shapes_and_dtypes,
+  stack_trees,
+  tree_all_finite,
+  tree_allclose,
+  tree_weighted_mean,
+  unstack_tree,
 )
 
 import accum_jax
@@ -169,3 +170,47 @@ def test_works_inside_optax_chain():
 def test_every_k_schedule_errors():
   with pytest.raises(ValueError, match=re.escape("every_k_schedule=0 must be an int >= 1")):
     accum_jax.MultiSteps(_INNER, every_k_schedule=0)
+
+
+@pytest.mark.parametrize("accumulator_dtype", [None, jnp.float16], ids=["None", "float16"])
+def test_float16_gradients_match_optax_multisteps_where_it_is_finite(accumulator_dtype):
+  # Four gradients of 30000: their float16 sum overflows, their mean does not.
+  # optax.MultiSteps keeps a running mean, so a float16 accumulator suits it; so
+  # must it suit this drop-in. (optax's own accumulator_dtype=None fails to
+  # trace: its two branches disagree on the accumulator's dtype.)
+  ours = accum_jax.MultiSteps(optax.sgd(1.0), 4, True, None, accumulator_dtype)
+  theirs = optax.MultiSteps(optax.sgd(1.0), 4, True, None, jnp.float16)
+  params = {"w": jnp.zeros(3, jnp.float16)}
+  grads = {
+      "w": jnp.array(
+          [[30000.0, -1.0, 0.5]] * 4 + [[60000.0, 1000.0, -0.25], [-60000.0, 3.0, 7.0]] * 2,
+          jnp.float16,
+      )
+  }
+  _, our_updates, our_states = scan_updates(ours, params, grads, apply_updates=False)
+  _, their_updates, their_states = scan_updates(
+      theirs.gradient_transformation(), params, grads, apply_updates=False
+  )
+  assert our_states.acc_grads["w"].dtype == jnp.float16
+  np.testing.assert_array_equal(np.asarray(our_updates["w"][3], np.float32), [-30000.0, 1.0, -0.5])
+  finite = np.isfinite(np.asarray(their_updates["w"], np.float32))
+  assert finite[3].all()
+  tree_allclose(
+      np.asarray(our_updates["w"], np.float32)[finite],
+      np.asarray(their_updates["w"], np.float32)[finite],
+      rtol=1e-3,
+      atol=1e-3,
+  )
+  assert tree_all_finite(our_updates)
+  assert int(our_states.num_skipped[-1]) == 0
+  # The running mean of the window is optax's acc_grads too, where optax's is
+  # finite (its float16 difference 60000 - (-60000) is not).
+  their_acc = np.asarray(their_states.acc_grads["w"], np.float32)
+  finite = np.isfinite(their_acc)
+  assert finite[:4].all()
+  np.testing.assert_allclose(
+      np.asarray(our_states.acc_grads["w"], np.float32)[finite],
+      their_acc[finite],
+      rtol=1e-3,
+      atol=1e-3,
+  )
