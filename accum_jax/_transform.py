@@ -45,6 +45,10 @@ class AccumulationState(NamedTuple):
   # The window's `value=` arguments (losses) and their weights: the inner
   # optimizer gets their weighted mean; total shape=(), dtype=float32.
   value_accumulator: _core.Accumulator
+  # The `value=` the inner optimizer got on the last update: the last applied
+  # window's loss, weighted as its gradient (NaN until one is); shape=(),
+  # dtype=float32. What to log as the window's loss.
+  window_value: jax.Array
   skip_state: Any = ()  # what MultiSteps' should_skip_update_fn reported
 
   @property
@@ -204,15 +208,18 @@ def _accumulate(
   skip_fn = should_skip_update_fn or _no_skip
 
   def init_fn(params):
-    zeros = jax.tree.map(jnp.zeros_like, params)
+    # optax.lookahead takes LookaheadParams, and gradients of the fast ones.
+    grads_like = params.fast if isinstance(params, optax.LookaheadParams) else params
+    zeros = jax.tree.map(jnp.zeros_like, grads_like)
     _, skip_state = skip_fn(zeros, jnp.zeros((), jnp.int32), params)
     return AccumulationState(
-        accumulator=_core.init(params, accumulator_dtype),
+        accumulator=_core.init(grads_like, accumulator_dtype),
         optimizer_step=jnp.zeros((), jnp.int32),
         inner_opt_state=inner.init(params),
         last_updated=jnp.array(False),
         num_empty_windows=jnp.zeros((), jnp.int32),
         value_accumulator=_core.init(jnp.zeros((), jnp.float32), jnp.float32),
+        window_value=jnp.full((), jnp.nan, jnp.float32),
         skip_state=skip_state,
     )
 
@@ -289,6 +296,11 @@ def _accumulate(
     new_updates, inner_state = jax.lax.cond(
         apply, emit, hold, state.inner_opt_state, state.accumulator, updates, value_accumulator
     )
+    window_value = state.window_value
+    if value is not None:
+      window_value = jnp.where(
+          apply, _core.result(value_accumulator, window_value, reduction), window_value
+      )
     # A window that ends with zero total weight holds nothing to apply (its
     # sum is zero too); it restarts, and is counted.
     empty_window = window_done & ~apply & (accumulator.count > 0) & (accumulator.weight == 0)
@@ -304,6 +316,7 @@ def _accumulate(
             if value is None
             else _restart_where(window_done, value_accumulator)
         ),
+        window_value=window_value,
         skip_state=skip_state,
     )
 
@@ -375,6 +388,7 @@ def accumulate(
       window like the gradient: ``inner`` gets the weighted mean of the values
       of the window's kept calls (skipped calls excluded), the full batch's
       loss. A call whose ``value`` is not finite is skipped.
+      ``state.window_value`` keeps the last applied window's: the loss to log.
     - ``grad`` (a line search's gradient at ``params``) is replaced by the
       window's gradient.
     - Everything else, ``value_fn`` included, is the emitting call's. A line
