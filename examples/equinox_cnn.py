@@ -86,15 +86,18 @@ def make_step(model, state, opt_state, x, y, key):
   return eqx.apply_updates(model, updates), state, opt_state, loss, accuracy
 
 
-@eqx.filter_jit
+plain_value_and_grad = eqx.filter_jit(eqx.filter_value_and_grad(compute_loss, has_aux=True))
+
+
 def sequential_reference(model, state, x, y, key):
   """The same batch as 4 plain calls, one after another."""
-  plain = eqx.filter_value_and_grad(compute_loss, has_aux=True)
   size = x.shape[0] // NUM_MICROBATCHES
   losses, grads = [], []
   for i in range(NUM_MICROBATCHES):
     rows = slice(i * size, (i + 1) * size)
-    (loss, (state, _)), g = plain(model, state, x[rows], y[rows], jax.random.fold_in(key, i))
+    (loss, (state, _)), g = plain_value_and_grad(
+        model, state, x[rows], y[rows], jax.random.fold_in(key, i)
+    )
     losses.append(loss)
     grads.append(g)
   mean = lambda *xs: sum(xs) / len(xs)  # noqa: E731
