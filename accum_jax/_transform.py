@@ -46,7 +46,7 @@ class AccumulationState(NamedTuple):
   # optimizer gets their weighted mean; total shape=(), dtype=float32.
   value_accumulator: _core.Accumulator
   # The `value=` the inner optimizer got on the last update: the last applied
-  # window's loss, weighted as its gradient (NaN until one is); shape=(),
+  # window's loss, weighted as its gradient (0 until one is); shape=(),
   # dtype=float32. What to log as the window's loss.
   window_value: jax.Array
   skip_state: Any = ()  # what MultiSteps' should_skip_update_fn reported
@@ -219,7 +219,7 @@ def _accumulate(
         last_updated=jnp.array(False),
         num_empty_windows=jnp.zeros((), jnp.int32),
         value_accumulator=_core.init(jnp.zeros((), jnp.float32), jnp.float32),
-        window_value=jnp.full((), jnp.nan, jnp.float32),
+        window_value=jnp.zeros((), jnp.float32),
         skip_state=skip_state,
     )
 
