@@ -212,26 +212,37 @@ def _aux_add(total: jax.Array, x: jax.Array, reduction: str, weight, kept) -> ja
 def _scan(grad_fun, options, call, shapes, args, shard_index, *, kwargs) -> _sharding.LocalSums:
   """Scans this device's microbatches; returns the un-normalised sums.
 
-  With ``skip_nonfinite``, each microbatch is first judged by its loss alone (a
+  With ``skip_nonfinite``, each microbatch is judged by its loss alone (a
   scalar), not by a pass over every gradient leaf: on a model of many small
   leaves those passes cost more than the arithmetic. A gradient can hold NaN or
-  Inf where its loss does not; then the sums are not finite, and only then is
-  the loop run again judging every microbatch by its gradient too.
+  Inf where its loss does not; then the sums are not finite, and only then does
+  :func:`_recheck` run the loop again judging every gradient.
   """
-  loop = functools.partial(_loop, grad_fun, options, call, shapes, args, shard_index, kwargs)
-  if not options.skip_nonfinite:
-    return loop("none")
-  sums = loop("loss")
-  return jax.lax.cond(_core.all_finite(sums.acc.total), lambda: sums, lambda: loop("all"))
+  def step(check):
+    fn = functools.partial(
+        _step, grad_fun, options, call, shapes, args, shard_index, kwargs, check=check
+    )
+    return jax.named_call(fn, name="accum_jax_microbatch")
 
-
-def _loop(grad_fun, options, call, shapes, args, shard_index, kwargs, check) -> _sharding.LocalSums:
-  """The ``lax.scan``; ``check`` says what must be finite: "none", "loss" or "all"."""
   split = functools.partial(
       _batching.split, num_microbatches=options.num_microbatches, how=options.split
   )
   batch = {n: jax.tree.map(split, args[n]) for n in call.batch_argnums}
-  one = functools.partial(_one_microbatch, grad_fun, options, call, args, kwargs)
+  start = _initial_carry(options, shapes, args)
+  xs = (jnp.arange(options.num_microbatches, dtype=jnp.int32), batch)
+  carry, stacked = jax.lax.scan(step("loss" if options.skip_nonfinite else "none"), start, xs)
+  if options.skip_nonfinite:
+    carry, stacked = _recheck(step("all"), start, carry, stacked, batch, options.num_microbatches)
+  acc, aux_sums, state, noise = carry
+  per_example = [
+      _batching.unsplit(x, options.split) if r == "concat" else x
+      for x, r in zip(stacked, shapes.reductions)
+  ]
+  return _sharding.LocalSums(acc, aux_sums, state, per_example, noise)
+
+
+def _initial_carry(options, shapes, args) -> tuple[Any, ...]:
+  """Empty sums (accumulator, aux, gradient noise) and the state passed in."""
   # Zeros made from the parameters themselves keep their sharding: sharded
   # (FSDP-style) parameters get an accumulator sharded the same way.
   params = tuple(args[n] for n in options.argnums)
@@ -243,38 +254,49 @@ def _loop(grad_fun, options, call, shapes, args, shard_index, kwargs, check) -> 
   ]
   state = args[options.state_argnums[0]] if options.state_argnums else None
   noise = _noise.zero_sums() if options.gradient_noise else None
+  return acc, aux_sums, state, noise
 
-  @functools.partial(jax.named_call, name="accum_jax_microbatch")
-  def body(carry, xs):
-    acc, aux_sums, state, noise = carry
-    out = one(*xs, state, shard_index)
-    acc, kept = _core.add(
-        acc, (out.value, out.grads), out.weight, skip_nonfinite=check == "all",
-        # A zero weight counts for nothing, even with a NaN loss.
-        accept=jnp.isfinite(out.value) | (out.weight == 0) if check == "loss" else True,
-    )
-    aux = jax.tree.leaves(out.aux)
-    aux_sums = [
-        None if total is None else _aux_add(total, x, r, out.weight, kept)
-        for total, x, r in zip(aux_sums, aux, shapes.reductions)
-    ]
-    per_example = [x if r in ("concat", "stack") else None for x, r in zip(aux, shapes.reductions)]
-    if options.state_argnums:
-      state = jax.tree.map(lambda new, old: jnp.where(kept, new, old), out.state, state)
-    if options.gradient_noise:  # without weight_fn, a microbatch weighs its rows
-      size = call.rows if out.weight is None else out.weight
-      noise = _noise.add(noise, out.grads, size, kept)
-    return (acc, aux_sums, state, noise), per_example
 
-  xs = (jnp.arange(options.num_microbatches, dtype=jnp.int32), batch)
-  (acc, aux_sums, state, noise), stacked = jax.lax.scan(
-      body, (acc, aux_sums, state, noise), xs
+def _step(grad_fun, options, call, shapes, args, shard_index, kwargs, carry, xs, *, check):
+  """One microbatch into the sums; ``check``: what must be finite ("none", "loss", "all")."""
+  acc, aux_sums, state, noise = carry
+  out = _one_microbatch(grad_fun, options, call, args, kwargs, *xs, state, shard_index)
+  acc, kept = _core.add(
+      acc, (out.value, out.grads), out.weight, skip_nonfinite=check == "all",
+      # A zero weight counts for nothing, even with a NaN loss.
+      accept=jnp.isfinite(out.value) | (out.weight == 0) if check == "loss" else True,
   )
-  per_example = [
-      _batching.unsplit(x, options.split) if r == "concat" else x
-      for x, r in zip(stacked, shapes.reductions)
+  aux = jax.tree.leaves(out.aux)
+  aux_sums = [
+      None if total is None else _aux_add(total, x, r, out.weight, kept)
+      for total, x, r in zip(aux_sums, aux, shapes.reductions)
   ]
-  return _sharding.LocalSums(acc, aux_sums, state, per_example, noise)
+  per_example = [x if r in ("concat", "stack") else None for x, r in zip(aux, shapes.reductions)]
+  if options.state_argnums:
+    state = jax.tree.map(lambda new, old: jnp.where(kept, new, old), out.state, state)
+  if options.gradient_noise:  # without weight_fn, a microbatch weighs its rows
+    size = call.rows if out.weight is None else out.weight
+    noise = _noise.add(noise, out.grads, size, kept)
+  return (acc, aux_sums, state, noise), per_example
+
+
+def _recheck(step, start, carry, stacked, batch, num_microbatches):
+  """The loop again, judging every gradient leaf, when the sums are not finite.
+
+  A ``fori_loop`` of N iterations then, and of none otherwise, whose carry
+  starts in the first loop's buffers (reset where it reruns): no memory beyond
+  the first loop's, and one pass over the sums when all is finite.
+  """
+  rerun = ~_core.all_finite(carry[0].total)
+  carry = jax.tree.map(lambda fresh, old: jnp.where(rerun, fresh, old), start, carry)
+
+  def body(i, loop_carry):
+    carry, stacked = loop_carry
+    carry, per_example = step(carry, (i, jax.tree.map(lambda x: jnp.asarray(x)[i], batch)))
+    stacked = [s if s is None else s.at[i].set(x) for s, x in zip(stacked, per_example)]
+    return carry, stacked
+
+  return jax.lax.fori_loop(0, jnp.where(rerun, num_microbatches, 0), body, (carry, stacked))
 
 
 def _drop_padding(x: jax.Array, call: _options.Call) -> jax.Array:

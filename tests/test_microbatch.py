@@ -189,10 +189,10 @@ def count_primitive(jaxpr, name):
 
 
 def the_scan(closed_jaxpr):
-  """The microbatch loop: the one scan outside a ``cond``.
+  """The microbatch loop: the one top-level scan.
 
-  With ``skip_nonfinite`` a second copy of the loop sits in a ``cond`` branch,
-  run only when a gradient is not finite where its loss is.
+  With ``skip_nonfinite`` a second copy of the loop body sits in a
+  ``fori_loop`` that runs only when a gradient is not finite where its loss is.
   """
   scans = [eqn for eqn in closed_jaxpr.jaxpr.eqns if eqn.primitive.name == "scan"]
   assert len(scans) == 1, f"expected one scan, found {len(scans)}"
