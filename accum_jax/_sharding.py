@@ -76,6 +76,17 @@ def _leaf_specs(args: tuple[Any, ...], batch_argnums: tuple[int, ...], axis: str
   ]
 
 
+def _psum(sums: Any, aux_sums: Any, axis: str) -> tuple[Any, Any]:
+  """``psum`` of both as one all-reduce: the int32 counts of ``sums`` travel as
+  float32 beside the gradients (exact below 2**24), where XLA would give them an
+  all-reduce of their own. Integer aux sums stay integers, exact."""
+  def is_count(x):
+    return x.dtype == jnp.int32
+  wide = jax.tree.map(lambda x: x.astype(jnp.float32) if is_count(x) else x, sums)
+  summed, aux_sums = jax.lax.psum((wide, aux_sums), axis)
+  return jax.tree.map(lambda s, x: s.astype(x.dtype) if is_count(x) else s, summed, sums), aux_sums
+
+
 def data_parallel(
     local_sums: Callable[..., LocalSums],
     args: tuple[Any, ...],
@@ -109,9 +120,9 @@ def data_parallel(
     # Each device's microbatch is a small batch of the noise estimate.
     if any(_core.is_narrow(x.dtype) for x in jax.tree.leaves(sums.acc.total)):
       acc = _core.merge(sums.acc, axis)
-      aux_sums, noise = jax.lax.psum((sums.aux_sums, sums.noise), axis)
+      noise, aux_sums = _psum(sums.noise, sums.aux_sums, axis)
     else:
-      acc, aux_sums, noise = jax.lax.psum((sums.acc, sums.aux_sums, sums.noise), axis)
+      (acc, noise), aux_sums = _psum((sums.acc, sums.noise), sums.aux_sums, axis)
     state = jax.tree.map(
         lambda s: jax.lax.pmean(s, axis) if jnp.issubdtype(s.dtype, jnp.inexact) else s,
         sums.state,
