@@ -402,7 +402,9 @@ def accumulate(
   Raises:
     ValueError: for ``every_k`` < 1, an unknown ``reduction``, a non-float
       ``accumulator_dtype``; at trace time, for gradients whose tree or shapes
-      differ from the parameters' or a non-scalar ``weight``.
+      differ from the parameters' (of the fast ones, for ``optax.lookahead``'s
+      ``LookaheadParams``), a non-scalar ``weight`` or ``value``, or a
+      ``flush`` that is not a bool scalar.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, accum_jax
