@@ -10,13 +10,16 @@ from accum_jax._parity import LeafDeviation, ParityReport, check_parity
 from accum_jax._planner import MemoryBudgetError, MicrobatchPlan, plan_microbatches
 from accum_jax._resume import abstract_state, abstract_tree
 from accum_jax._transform import (
-    AccumulationState,
-    EveryKSchedule,
-    ShouldSkipUpdateFunction,
-    accumulate,
-    every_k_schedule,
-    has_updated,
-    optimizer_step,
+  AccumulationState,
+  EveryKSchedule,
+  NoiseScaleSchedule,
+  ShouldSkipUpdateFunction,
+  accumulate,
+  every_k_schedule,
+  gradient_noise,
+  has_updated,
+  noise_scale_every_k,
+  optimizer_step,
 )
 
 try:
@@ -35,6 +38,7 @@ __all__ = (
     "MicrobatchPlan",
     "MultiSteps",
     "NoiseScaleEMA",
+    "NoiseScaleSchedule",
     "ParityReport",
     "ShouldSkipUpdateFunction",
     "abstract_state",
@@ -43,7 +47,9 @@ __all__ = (
     "check_parity",
     "every_k_schedule",
     "grad",
+    "gradient_noise",
     "has_updated",
+    "noise_scale_every_k",
     "optimizer_step",
     "plan_microbatches",
     "value_and_grad",

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from accum_jax import _core
+from accum_jax import _core, _noise
 
 
 class EveryKSchedule(Protocol):
@@ -50,6 +50,11 @@ class AccumulationState(NamedTuple):
   # dtype=float32. What to log as the window's loss.
   window_value: jax.Array
   skip_state: Any = ()  # what MultiSteps' should_skip_update_fn reported
+  # With gradient_noise (or a noise_scale_every_k schedule); () otherwise:
+  noise: Any = ()  # _noise.NoiseSums of the current window's calls
+  last_noise: Any = ()  # GradientNoise of the last applied window (NaN before)
+  noise_ema: Any = ()  # NoiseScaleEMA, with a noise_scale_every_k schedule
+  window_length: Any = ()  # shape=(), int32: k of the current window, likewise
 
   @property
   def mini_step(self) -> jax.Array:
@@ -78,6 +83,80 @@ class AccumulationState(NamedTuple):
     the calls of a window whose weighted sum (``reduction="sum"``) overflows the
     gradients' float16 or bfloat16 dtype; int32 scalar."""
     return self.accumulator.num_skipped
+
+
+class NoiseScaleSchedule(NamedTuple):
+  """A window length that follows the measured critical batch size.
+
+  Made by :func:`noise_scale_every_k`; pass it as ``accumulate(every_k=...)``.
+  """
+
+  microbatch_size: float
+  k_min: int
+  k_max: int
+  decay: float
+  monotone: bool
+
+  def next_k(self, ema: _noise.NoiseScaleEMA, k: jax.Array) -> jax.Array:
+    """``clip(round(B_simple / microbatch_size), k_min, k_max)``; ``k`` while unknown."""
+    b_simple = ema.simple_noise_scale
+    known = jnp.isfinite(b_simple) & (b_simple > 0)
+    new = jnp.round(jnp.where(known, b_simple, 0.0) / self.microbatch_size)
+    new = jnp.clip(new, self.k_min, self.k_max).astype(jnp.int32)
+    if self.monotone:
+      new = jnp.maximum(new, k)
+    return jnp.where(known, new, k)
+
+
+def noise_scale_every_k(
+    microbatch_size: float,
+    *,
+    k_max: int,
+    k_min: int = 2,
+    decay: float = 0.9,
+    monotone: bool = True,
+) -> NoiseScaleSchedule:
+  """``every_k`` for :func:`accumulate` that follows the gradient noise scale.
+
+  The state keeps a :class:`accum_jax.NoiseScaleEMA` of each window's
+  :class:`accum_jax.GradientNoise`; when a window is applied, the next one's
+  length becomes ``k = clip(round(B_simple / microbatch_size), k_min, k_max)``
+  (never less than before with ``monotone``): a batch-size warm-up that follows
+  the critical batch size as training finds it. ``k`` is a traced value, so a
+  change does not recompile; it changes only between windows. The learning
+  rate stays per optimizer step (see the noise-scale guide).
+
+  Args:
+    microbatch_size: the weight of one call, in the unit of ``weight=``: its
+      examples or tokens (1 when calls pass no weight: ``B_simple`` is then
+      counted in calls).
+    k_max: the longest window.
+    k_min: the shortest window, and the first; at least 2, as the spread of
+      the calls' gradients needs two of them.
+    decay: of the moving averages, in [0, 1).
+    monotone: never shorten the window.
+
+  Returns:
+    A :class:`NoiseScaleSchedule`, for ``accumulate(inner, every_k=...)``.
+
+  Examples:
+    >>> import optax, accum_jax
+    >>> opt = accum_jax.accumulate(
+    ...     optax.adam(1e-3), every_k=accum_jax.noise_scale_every_k(32, k_max=16))
+  """
+  if not float(microbatch_size) > 0:
+    raise ValueError(
+        f"microbatch_size={microbatch_size!r} must be positive: the weight of one call"
+        " (its examples or tokens; 1 when calls pass no weight=)."
+    )
+  k_min_, k_max_ = _core.positive_int(k_min), _core.positive_int(k_max)
+  if k_min_ is None or k_max_ is None or not 2 <= k_min_ <= k_max_:
+    raise ValueError(
+        f"k_min={k_min!r} and k_max={k_max!r} must be ints with 2 <= k_min <= k_max: a"
+        " window of one call shows no spread between gradients, so no noise scale."
+    )
+  _noise.NoiseScaleEMA.create(decay)  # checks decay
+  return NoiseScaleSchedule(float(microbatch_size), k_min_, k_max_, float(decay), monotone)
 
 
 def _check_every_k(every_k: Any, name: str) -> EveryKSchedule:
@@ -196,8 +275,11 @@ def _accumulate(
     skip_nonfinite: bool = True,
     should_skip_update_fn: ShouldSkipUpdateFunction | None = None,
     every_k_name: str = "every_k",
+    gradient_noise: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
-  schedule = _check_every_k(every_k, every_k_name)
+  by_noise = every_k if isinstance(every_k, NoiseScaleSchedule) else None
+  schedule = None if by_noise else _check_every_k(every_k, every_k_name)
+  track_noise = gradient_noise or by_noise is not None
   if reduction not in _core.REDUCTIONS:
     raise ValueError(
         f"reduction={reduction!r} is not one of {_core.REDUCTIONS}: 'mean'"
@@ -221,6 +303,7 @@ def _accumulate(
         value_accumulator=_core.init(jnp.zeros((), jnp.float32), jnp.float32),
         window_value=jnp.zeros((), jnp.float32),
         skip_state=skip_state,
+        **_init_noise(track_noise, by_noise),
     )
 
   def update_fn(updates, state, params=None, *, weight=None, flush=False, **extra_args):
@@ -247,7 +330,15 @@ def _accumulate(
       value_accumulator, _ = _core.add(
           value_accumulator, value, weight, skip_nonfinite=False, accept=kept
       )
-    every = jnp.asarray(schedule(state.optimizer_step), jnp.int32)
+    if by_noise:
+      every = state.window_length
+    else:
+      every = jnp.asarray(schedule(state.optimizer_step), jnp.int32)
+    # Per call without weight=: B_simple is then counted in calls.
+    noise = (
+        _noise.add(state.noise, updates, 1.0 if weight is None else weight, kept)
+        if track_noise else ()
+    )
     window_done = (accumulator.count >= every) | flush
     apply = window_done & (accumulator.weight > 0)
     if reduction == "sum":
@@ -281,11 +372,12 @@ def _accumulate(
       # empties it, and fuses with it (one pass over the accumulator per call).
       window, _ = _core.add(previous, grads, weight, skip_nonfinite=False, accept=kept)
       new_updates, new_inner_state = inner_update(inner_state, window, value_window)
-      return new_updates, _cast_like(new_inner_state, inner_state)
+      window_noise = _window_noise(noise, window, updates) if track_noise else ()
+      return new_updates, _cast_like(new_inner_state, inner_state), window_noise
 
     def hold(inner_state, previous, grads, value_window):
       del previous, grads, value_window
-      return jax.tree.map(_core.zeros_like, update_shapes), inner_state
+      return jax.tree.map(_core.zeros_like, update_shapes), inner_state, state.last_noise
 
     # A conditional, not a select: the inner update is not computed at all on
     # the calls that only accumulate. Only the inner state and the updates come
@@ -293,7 +385,7 @@ def _accumulate(
     # branch's output. (Without donation, XLA copies the inner state on every
     # call, as an output may not share an input's buffer; optax.MultiSteps
     # rewrites it on every call instead.)
-    new_updates, inner_state = jax.lax.cond(
+    new_updates, inner_state, last_noise = jax.lax.cond(
         apply, emit, hold, state.inner_opt_state, state.accumulator, updates, value_accumulator
     )
     window_value = state.window_value
@@ -318,9 +410,52 @@ def _accumulate(
         ),
         window_value=window_value,
         skip_state=skip_state,
+        **_next_noise(state, noise, last_noise, window_done, apply, by_noise),
     )
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _init_noise(track_noise: bool, by_noise: NoiseScaleSchedule | None) -> dict[str, Any]:
+  """The noise fields of a new state (empty without gradient_noise)."""
+  if not track_noise:
+    return {}
+  nan = jnp.full((), jnp.nan, jnp.float32)
+  fields: dict[str, Any] = {
+      "noise": _noise.zero_sums(), "last_noise": _noise.GradientNoise(nan, nan)
+  }
+  if by_noise:
+    fields["noise_ema"] = _noise.NoiseScaleEMA.create(by_noise.decay)
+    fields["window_length"] = jnp.asarray(by_noise.k_min, jnp.int32)
+  return fields
+
+
+def _window_noise(noise: _noise.NoiseSums, window: _core.Accumulator, like: Any) -> Any:
+  """The window's GradientNoise, from its sums and its float32 mean gradient."""
+  wide = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, jnp.promote_types(x.dtype, jnp.float32)), like
+  )
+  return _noise.estimate(noise, _core.result(window, wide, "mean"))
+
+
+def _next_noise(state, noise, last_noise, window_done, apply, by_noise) -> dict[str, Any]:
+  """The noise fields after a call: emptied with the window, averaged when applied."""
+  if state.noise == ():
+    return {}
+  fields = {
+      "noise": jax.tree.map(lambda x: jnp.where(window_done, jnp.zeros_like(x), x), noise),
+      "last_noise": last_noise,
+  }
+  if by_noise:
+    ema = jax.tree.map(
+        lambda new, old: jnp.where(apply, new, old), state.noise_ema.update(last_noise),
+        state.noise_ema,
+    )
+    fields["noise_ema"] = ema
+    fields["window_length"] = jnp.where(
+        apply, by_noise.next_k(ema, state.window_length), state.window_length
+    )
+  return fields
 
 
 def accumulate(
@@ -330,6 +465,7 @@ def accumulate(
     reduction: _core.Reduction = "mean",
     accumulator_dtype: Any = jnp.float32,
     skip_nonfinite: bool = True,
+    gradient_noise: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   """Accumulates gradients over ``every_k`` calls, then runs ``inner`` once.
 
@@ -356,7 +492,8 @@ def accumulate(
     every_k: calls per update, an int >= 1, or a schedule: a callable from the
       optimizer step (an int32 scalar, updates so far) to the number of calls,
       e.g. :func:`accum_jax.every_k_schedule`; it may change without a
-      recompile.
+      recompile. Or :func:`accum_jax.noise_scale_every_k`: a window length that
+      follows the measured gradient noise scale.
     reduction: ``"mean"`` (default) divides the accumulated gradient by the
       total weight; ``"sum"`` passes the weighted sum.
     accumulator_dtype: the least precision of the running sum; each leaf
@@ -374,6 +511,10 @@ def accumulate(
       ``state.num_empty_windows``. With ``reduction="sum"``, a window whose
       sum overflows the gradients' float16 or bfloat16 dtype applies nothing
       and its calls are counted as skipped.
+    gradient_noise: estimate the gradient noise from the calls' gradients (one
+      squared norm per call; each call is a small batch of its ``weight``, 1
+      without one): :func:`accum_jax.gradient_noise` reads the last applied
+      window's :class:`accum_jax.GradientNoise` from the state.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``. Its ``update(grads, state,
@@ -423,6 +564,7 @@ def accumulate(
       reduction=reduction,
       accumulator_dtype=accumulator_dtype,
       skip_nonfinite=skip_nonfinite,
+      gradient_noise=gradient_noise,
   )
 
 
@@ -552,3 +694,35 @@ def optimizer_step(state: Any) -> jax.Array:
     (2, 1)
   """
   return jnp.asarray(_find_state(state, "optimizer_step").optimizer_step)
+
+
+def gradient_noise(state: Any) -> _noise.GradientNoise:
+  """The :class:`accum_jax.GradientNoise` of the last applied window.
+
+  Args:
+    state: as for :func:`has_updated`, of an ``accumulate(...,
+      gradient_noise=True)`` (or with a :func:`noise_scale_every_k` schedule).
+
+  Returns:
+    ``grad_sq`` and ``trace_cov`` (NaN before the first window, or for a window
+    of fewer than two kept calls), per unit of the calls' ``weight``.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, accum_jax
+    >>> opt = accum_jax.accumulate(optax.sgd(0.1), every_k=2, gradient_noise=True)
+    >>> params = {"w": jnp.zeros(1)}
+    >>> state = opt.init(params)
+    >>> for g in (1.0, 3.0):
+    ...   _, state = opt.update({"w": jnp.array([g])}, state, params)
+    >>> noise = accum_jax.gradient_noise(state)  # calls of 1 and 3: mean 2, spread 2
+    >>> float(noise.trace_cov), float(noise.grad_sq)
+    (2.0, 3.0)
+  """
+  found = _find_state(state, "gradient_noise")
+  if isinstance(found.last_noise, tuple) and found.last_noise == ():
+    raise ValueError(
+        "gradient_noise found an accumulate state that does not measure the noise: build"
+        " it with accum_jax.accumulate(..., gradient_noise=True), or with"
+        " every_k=accum_jax.noise_scale_every_k(...)."
+    )
+  return jax.tree.map(jnp.asarray, found.last_noise)

@@ -107,3 +107,87 @@ def test_the_ema_is_a_ratio_of_bias_corrected_averages():
   np.testing.assert_allclose(average.trace_cov, 6.0 / 3 + 40.0 / 3, rtol=1e-6)
   np.testing.assert_allclose(ema.simple_noise_scale, (2 + 40 / 3) / (2 / 3 + 8 / 3), rtol=1e-6)
   assert int(ema.count) == 2
+
+
+# Across calls: accumulate(gradient_noise=True) and the noise-driven window.
+
+import optax  # noqa: E402
+
+
+def window_estimates(opt, x, y, mask, calls_per_step):
+  """Feeds each microbatch's mean gradient as one call; the windows' estimates."""
+  rows = BATCH // calls_per_step
+  grad = jax.grad(loss)
+  w = jnp.asarray(W)
+
+  def step(state, batch):
+    def call(state, mb):
+      xm, ym, mm = mb
+      _, state = opt.update(grad(w, xm, ym, mm), state, w, weight=jnp.sum(mm))
+      return state, None
+
+    micro = jax.tree.map(lambda a: a.reshape(calls_per_step, rows, *a.shape[1:]), batch)
+    state, _ = jax.lax.scan(call, state, micro)
+    return state, accum_jax.gradient_noise(state)
+
+  _, noise = jax.jit(lambda b: jax.lax.scan(step, opt.init(w), b))((x, y, mask))
+  return float(jnp.mean(noise.grad_sq)), float(jnp.mean(noise.trace_cov))
+
+
+@pytest.mark.parametrize("unequal", [False, True], ids=["equal weights", "unequal weights"])
+def test_across_calls_the_windows_estimates_are_unbiased(unequal):
+  x, y, mask = make_batches(3)
+  if not unequal:
+    mask = np.ones_like(mask)
+  opt = accum_jax.accumulate(optax.sgd(0.0), every_k=N, gradient_noise=True)
+  grad_sq, trace_cov = window_estimates(opt, x, y, mask, N)
+  np.testing.assert_allclose(trace_cov, TRACE_COV, rtol=0.04)
+  np.testing.assert_allclose(grad_sq, GRAD_SQ, rtol=0.04)
+
+
+def test_gradient_noise_of_a_state_without_it_is_refused():
+  opt = accum_jax.accumulate(optax.sgd(0.1), every_k=2)
+  with pytest.raises(ValueError, match="does not measure the noise"):
+    accum_jax.gradient_noise(opt.init({"w": jnp.zeros(2)}))
+
+
+def run_noise_driven(monotone, calls=1500):
+  # B_simple = tr(Sigma) / |G|^2 = 36 / 4 = 9 examples; calls of 2 examples: k -> 4 or 5.
+  schedule = accum_jax.noise_scale_every_k(2, k_max=16, decay=0.98, monotone=monotone)
+  opt = accum_jax.accumulate(optax.sgd(0.0), every_k=schedule)
+  w, grad = jnp.asarray(W), jax.grad(loss)
+  rng = np.random.default_rng(4)
+
+  @jax.jit
+  def call(state, x, y):
+    _, state = opt.update(grad(w, x, y, jnp.ones(2)), state, w, weight=2.0)
+    return state
+
+  state, lengths, calls_in_window = opt.init(w), [], 0
+  for _ in range(calls):
+    x = rng.standard_normal((2, D_IN)).astype(np.float32)
+    y = x @ W_STAR + NOISE_STD * rng.standard_normal(2).astype(np.float32)
+    k = int(state.window_length)
+    state = call(state, x, y)
+    calls_in_window += 1
+    if bool(accum_jax.has_updated(state)):
+      assert calls_in_window == k  # k changes only between windows
+      lengths.append(k)
+      calls_in_window = 0
+  assert call._cache_size() == 1  # no recompilation when k changes
+  b_simple = float(state.noise_ema.simple_noise_scale)
+  # The next window's k is the average's B_simple in calls of 2 examples.
+  assert int(state.window_length) == min(max(round(b_simple / 2), 2), 16) or monotone
+  return lengths, b_simple
+
+
+def test_the_noise_driven_window_follows_b_simple_without_recompiling():
+  lengths, b_simple = run_noise_driven(monotone=False)
+  assert lengths[0] == 2  # k_min first
+  assert 7 < b_simple < 12, b_simple
+  assert 4 <= np.median(lengths[-40:]) <= 6, lengths[-40:]
+
+
+def test_a_monotone_noise_driven_window_never_shortens():
+  lengths, _ = run_noise_driven(monotone=True, calls=400)
+  assert lengths[0] == 2 and lengths == sorted(lengths) and lengths[-1] > 2, lengths
