@@ -725,4 +725,5 @@ def gradient_noise(state: Any) -> _noise.GradientNoise:
         " it with accum_jax.accumulate(..., gradient_noise=True), or with"
         " every_k=accum_jax.noise_scale_every_k(...)."
     )
-  return jax.tree.map(jnp.asarray, found.last_noise)
+  # jnp.asarray unwraps the nnx.Variables of an nnx.Optimizer's state.
+  return _noise.GradientNoise(*(jnp.asarray(x) for x in found.last_noise))

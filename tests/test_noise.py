@@ -191,3 +191,17 @@ def test_the_noise_driven_window_follows_b_simple_without_recompiling():
 def test_a_monotone_noise_driven_window_never_shortens():
   lengths, _ = run_noise_driven(monotone=True, calls=400)
   assert lengths[0] == 2 and lengths == sorted(lengths) and lengths[-1] > 2, lengths
+
+
+def test_gradient_noise_is_found_in_an_nnx_optimizer():
+  from flax import nnx
+
+  model = nnx.Linear(1, 1, use_bias=False, rngs=nnx.Rngs(0))
+  opt = nnx.Optimizer(
+      model, accum_jax.accumulate(optax.sgd(0.0), every_k=2, gradient_noise=True), wrt=nnx.Param
+  )
+  for g in (1.0, 3.0):
+    opt.update(model, jax.tree.map(lambda x, g=g: jnp.full_like(x, g), nnx.state(model, nnx.Param)))
+  noise = accum_jax.gradient_noise(opt)  # calls of 1 and 3: |g|^2 = 4, spread 2
+  assert isinstance(noise.trace_cov, jax.Array)
+  np.testing.assert_allclose((noise.grad_sq, noise.trace_cov), (3.0, 2.0))
