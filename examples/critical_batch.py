@@ -13,24 +13,28 @@ the ratio of the averages::
   ema = ema.update(info.gradient_noise)      # ema.simple_noise_scale: B_simple, in examples
 
 The task is scikit-learn's digits (1797 8x8 images, shipped with the package: no
-download), classified by an MLP in plain JAX trained with SGD and momentum. The script
+download), classified by an MLP in plain JAX trained with SGD and momentum. It is easy,
+but not too easy for this: its B_simple starts near 25 examples and grows past 500 over
+15 epochs, so the batch that is worth taking changes several-fold within a run of
+seconds. The script
 
-  1. trains with a fixed batch of N x MICROBATCH_SIZE examples;
+  1. trains with fixed batches of N x MICROBATCH_SIZE examples (N = 8 and 32);
   2. trains again on the same number of examples with a noise-driven batch-size warmup
      (Merrill et al. 2025): before each step, N = clip(B_simple / MICROBATCH_SIZE,
      N_MIN, N_MAX) rounded to a power of two, never decreasing, so that only a few step
      functions compile;
-  3. prints the optimizer steps each took to reach a target training loss, and the
+  3. prints the optimizer steps (and examples) each took to reach a target training
+     loss on the whole training set, the final training loss, and the
      test accuracy at the end; plots B_simple over training to ``OUT/critical_batch.png``
      and writes the warmup's per-step record to ``OUT/critical_batch.csv``.
 
-The learning rate per optimizer step is the same in both runs and at every batch size:
+The learning rate per optimizer step is the same in all runs and at every batch size:
 a larger batch then buys a less noisy step, not a longer one. The alternative is to scale
 the learning rate with the batch (linearly for SGD, by its square root for Adam) as the
 batch grows; that takes larger steps but adds a second thing that changes at once.
 
   python examples/critical_batch.py           # about 20 s on 2 CPU cores
-  python examples/critical_batch.py --quick   # a few seconds: a smoke test
+  python examples/critical_batch.py --quick   # 2 epochs, N = 8 only: a smoke test
   CRITICAL_BATCH_QUICK=1 python examples/critical_batch.py   # the same
 """
 
@@ -128,7 +132,9 @@ def next_num_microbatches(b_simple: float, current: int) -> int:
   """The warmup's rule: B_simple in small batches, a power of two in [N_MIN, N_MAX].
 
   Never below ``current``: the batch only grows. Before the first estimate
-  (``b_simple`` NaN), ``current``.
+  (``b_simple`` NaN), ``current``; likewise where it is not positive, as it can be
+  near convergence, where the unbiased ``|G|^2`` is small beside its noise and its
+  average can fall below zero.
   """
   if not math.isfinite(b_simple) or b_simple <= 0:
     return current
