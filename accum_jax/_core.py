@@ -61,7 +61,7 @@ class Accumulator(NamedTuple):
 
   total: Any
   weight: jax.Array
-  count: jax.Array
+  count: jax.Array  # type: ignore[assignment]  # shadows tuple.count
   num_skipped: jax.Array
 
 

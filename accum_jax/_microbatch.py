@@ -67,7 +67,8 @@ def _check_state(new: Any, old: Any, argnum: int) -> None:
       f" argument {argnum} (state_argnums), e.g. Linen's"
       " `(loss, (updates['batch_stats'], aux))`."
   )
-  if jax.tree.structure(new) != jax.tree.structure(old):
+  new_structure: Any = jax.tree.structure(new)
+  if new_structure != jax.tree.structure(old):
     raise ValueError(
         f"The new state has structure {jax.tree.structure(new)}, but the state passed in"
         f" has structure {jax.tree.structure(old)}.{fix}"
@@ -260,7 +261,8 @@ def _initial_carry(options, shapes, args) -> tuple[Any, ...]:
 def _step(grad_fun, options, call, shapes, args, shard_index, kwargs, carry, xs, *, check):
   """One microbatch into the sums; ``check``: what must be finite ("none", "loss", "all")."""
   acc, aux_sums, state, noise = carry
-  out = _one_microbatch(grad_fun, options, call, args, kwargs, *xs, state, shard_index)
+  index, mb = xs
+  out = _one_microbatch(grad_fun, options, call, args, kwargs, index, mb, state, shard_index)
   acc, kept = _core.add(
       acc, (out.value, out.grads), out.weight, skip_nonfinite=check == "all",
       # A zero weight counts for nothing, even with a NaN loss.
@@ -512,7 +514,8 @@ def value_and_grad(
       sums = scan(args, None)
     else:
       sums = _sharding.data_parallel(
-          scan, args, batch_argnums=call.batch_argnums, mesh=call.mesh, axis=call.data_axis
+          scan, args, batch_argnums=call.batch_argnums, mesh=call.mesh,
+          axis=str(call.data_axis),
       )
     return _finalise(sums, shapes, options, call)
 

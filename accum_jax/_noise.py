@@ -35,6 +35,14 @@ class GradientNoise(NamedTuple):
       dtype=float32. NaN with fewer than two kept small batches.
     trace_cov: the trace of the per-example gradient covariance, in the unit of
       the weights (per example, per token...); shape=(), dtype=float32.
+
+  Examples:
+    >>> import jax.numpy as jnp, accum_jax
+    >>> loss = lambda w, x: jnp.mean((x * w - 1.0) ** 2)
+    >>> vg = accum_jax.value_and_grad(loss, 2, gradient_noise=True, return_info=True)
+    >>> _, _, info = vg(jnp.float32(0.0), jnp.array([1.0, 2.0, 3.0, 4.0]))
+    >>> info.gradient_noise.grad_sq.shape, info.gradient_noise.trace_cov.shape
+    ((), ())
   """
 
   grad_sq: jax.Array
@@ -57,7 +65,7 @@ class NoiseSums(NamedTuple):
 
   weighted_sq: jax.Array
   weight: jax.Array
-  count: jax.Array
+  count: jax.Array  # type: ignore[assignment]  # shadows tuple.count
 
 
 def squared_norm(tree: Any) -> jax.Array:
@@ -121,7 +129,7 @@ class NoiseScaleEMA(NamedTuple):
   grad_sq: jax.Array
   trace_cov: jax.Array
   decay: jax.Array
-  count: jax.Array
+  count: jax.Array  # type: ignore[assignment]  # shadows tuple.count
 
   @classmethod
   def create(cls, decay: float = 0.99) -> NoiseScaleEMA:

@@ -152,7 +152,7 @@ def _check_budget(memory_budget_bytes: Any) -> int:
         " e.g. 8 * 2**30 for 8 GiB; or None for the device's free memory (where the"
         " backend reports it)."
     )
-  return int(memory_budget_bytes)
+  return int(float(memory_budget_bytes))
 
 
 def _local_batch_size(args: tuple[Any, ...], options: Mapping[str, Any]) -> tuple[int, int]:

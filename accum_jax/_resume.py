@@ -62,7 +62,7 @@ def _sharding_of(path: KeyPath, leaf: Any) -> jax.sharding.Sharding:
 def _replicated(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding:
   if isinstance(sharding, NamedSharding):
     return NamedSharding(sharding.mesh, PartitionSpec())
-  devices = np.array(sorted(sharding.device_set, key=lambda d: d.id))
+  devices = np.array(sorted(sharding.device_set, key=lambda d: getattr(d, "id", 0)))
   return NamedSharding(jax.sharding.Mesh(devices, ("devices",)), PartitionSpec())
 
 
@@ -78,7 +78,8 @@ class _ParamIndex:
           " with their shardings."
       )
     self.entries: dict[KeyPath, tuple[tuple[int, ...], jax.sharding.Sharding]] = {}
-    first_path, first = None, None
+    first_path: Any = None
+    first: Any = None
     for path, leaf in leaves:
       sharding = _sharding_of(path, leaf)
       if first is None:

@@ -57,9 +57,9 @@ class LocalSums(NamedTuple):
   """
 
   acc: Any
-  aux_sums: list[Any]
+  aux_sums: Any  # a list of arrays and None (or, as out_specs, one spec)
   state: Any
-  per_example: list[Any]
+  per_example: Any  # likewise
   noise: Any = None
 
 

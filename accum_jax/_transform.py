@@ -89,6 +89,12 @@ class NoiseScaleSchedule(NamedTuple):
   """A window length that follows the measured critical batch size.
 
   Made by :func:`noise_scale_every_k`; pass it as ``accumulate(every_k=...)``.
+
+  Examples:
+    >>> import accum_jax
+    >>> schedule = accum_jax.noise_scale_every_k(8, k_max=32)
+    >>> schedule.k_min, schedule.k_max, schedule.monotone
+    (2, 32, True)
   """
 
   microbatch_size: float
@@ -173,7 +179,8 @@ def _check_every_k(every_k: Any, name: str) -> EveryKSchedule:
 
 
 def _check_tree_matches(grads: Any, like: Any) -> None:
-  structure, expected = jax.tree.structure(grads), jax.tree.structure(like)
+  structure: Any = jax.tree.structure(grads)
+  expected: Any = jax.tree.structure(like)
   if structure != expected:
     raise ValueError(
         f"The gradients' tree structure {structure} differs from the"
@@ -336,7 +343,7 @@ def _accumulate(
       every = jnp.asarray(schedule(state.optimizer_step), jnp.int32)
     # Per call without weight=: B_simple is then counted in calls.
     noise = (
-        _noise.add(state.noise, updates, 1.0 if weight is None else weight, kept)
+        _noise.add(state.noise, updates, jnp.asarray(1.0 if weight is None else weight), kept)
         if track_noise else ()
     )
     window_done = (accumulator.count >= every) | flush
@@ -430,7 +437,7 @@ def _init_noise(track_noise: bool, by_noise: NoiseScaleSchedule | None) -> dict[
   return fields
 
 
-def _window_noise(noise: _noise.NoiseSums, window: _core.Accumulator, like: Any) -> Any:
+def _window_noise(noise: Any, window: _core.Accumulator, like: Any) -> Any:
   """The window's GradientNoise, from its sums and its float32 mean gradient."""
   wide = jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(x.shape, jnp.promote_types(x.dtype, jnp.float32)), like

@@ -93,7 +93,7 @@ def _argnums(value: int | Sequence[int] | None, name: str) -> tuple[int, ...] | 
   """``value`` as a tuple of argument numbers (None stays None: find them)."""
   if value is None:
     return None
-  nums = (value,) if isinstance(value, numbers.Integral) else tuple(value)
+  nums = (value,) if isinstance(value, numbers.Integral) else tuple(value)  # type: ignore[arg-type]
   for n in nums:
     if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
       raise ValueError(f"{name}={value!r} must be a non-negative int or a tuple of them.")

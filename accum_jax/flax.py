@@ -26,7 +26,7 @@ import functools
 import inspect
 import numbers
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import jax
 import numpy as np
@@ -316,12 +316,13 @@ def nnx_value_and_grad(
     def differentiated(path, variable):
       return path[0] in diff_positions and wrt_predicate(path[1:], variable)
 
-    graphdef, diff, state = nnx.split(nodes, differentiated, ...)
+    graphdef, diff, state = cast(tuple[Any, Any, Any], nnx.split(nodes, differentiated, ...))
 
     # fun's arguments keep their numbers; the graph nodes' places hold None, and
     # their differentiated variables and state come last, at n and n + 1.
     n = len(args)
     plain_diff = tuple(i for i in diff_nums if i not in node_nums)
+    core_argnums: int | tuple[int, ...]
     if single:
       core_argnums = n if diff_positions else diff_nums[0]
     else:
@@ -334,7 +335,7 @@ def nnx_value_and_grad(
         call_args[i] = node
       out = fun(*call_args, **kwargs)
       loss, aux = out if has_aux else (out, None)
-      _, _, new_state = nnx.split(merged, differentiated, ...)
+      _, _, new_state = cast(tuple[Any, Any, Any], nnx.split(merged, differentiated, ...))
       return loss, (nnx.as_pure(new_state), aux)
 
     core_args = [None if i in node_nums else arg for i, arg in enumerate(args)]

@@ -12,6 +12,8 @@ from __future__ import annotations
 import re
 from typing import NamedTuple
 
+__all__ = ("CollectiveCounts", "collective_counts")
+
 _HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s+\(.*\{\s*$")
 _CALLED = re.compile(
     r"(?:body|condition|to_apply|calls|branch_computations|called_computations)="
@@ -22,7 +24,13 @@ _COLLECTIVES = ("all-reduce(", "all-reduce-start(", "reduce-scatter(", "all-gath
 
 
 class CollectiveCounts(NamedTuple):
-  """Cross-device collectives in a compiled module, by where they run."""
+  """Cross-device collectives in a compiled module, by where they run.
+
+  Examples:
+    >>> from accum_jax.testing import CollectiveCounts
+    >>> CollectiveCounts(in_loop=0, outside_loop=1).outside_loop
+    1
+  """
 
   in_loop: int  # inside a while loop's body (run once per iteration)
   outside_loop: int  # run once per call
@@ -45,7 +53,7 @@ def _computations(hlo_text: str) -> dict[str, list[str]]:
 
 
 def _called(lines: list[str]) -> set[str]:
-  names = set()
+  names: set[str] = set()
   for line in lines:
     for m in _CALLED.finditer(line):
       names.update(n.strip().lstrip("%") for n in m.group(1).split(","))
@@ -60,6 +68,13 @@ def collective_counts(hlo_text: str) -> CollectiveCounts:
 
   Returns:
     The counts of all-reduce, reduce-scatter and all-gather instructions.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> from accum_jax.testing import collective_counts
+    >>> hlo = jax.jit(lambda x: 2 * x).lower(jnp.ones(4)).compile().as_text()
+    >>> collective_counts(hlo)
+    CollectiveCounts(in_loop=0, outside_loop=0)
   """
   comps = _computations(hlo_text)
   loop_bodies = set()

@@ -66,7 +66,6 @@ WITHOUT_EXAMPLE = {
     "accum_jax.AccumulationState",
     "accum_jax.Accumulator",
     "accum_jax.EveryKSchedule",
-    "accum_jax.GradientNoise",
     "accum_jax.LeafDeviation",
     "accum_jax.MemoryBudgetError",
     "accum_jax.MicrobatchInfo",

@@ -481,17 +481,4 @@ def test_equinox_cnn_example_matches_sequential_calls_and_learns():
 # ---------------------------------------------------------------------------
 # Every ```python block of the Equinox guide runs as written.
 
-GUIDE = Path(__file__).resolve().parent.parent / "docs" / "guides" / "equinox.md"
-
-
-def _guide_blocks() -> list[str]:
-  return re.findall(r"^```python\n(.*?)^```", GUIDE.read_text(), re.M | re.S)
-
-
-def test_the_guide_has_examples_for_each_section():
-  assert len(_guide_blocks()) >= 5
-
-
-@pytest.mark.parametrize("index", range(len(_guide_blocks())))
-def test_a_guide_example_runs(index):
-  exec(compile(_guide_blocks()[index], str(GUIDE), "exec"), {"__name__": "guide"})
+# The guide's blocks run in tests/test_docs.py with every other docs page.
