@@ -18,6 +18,7 @@ from unittest import mock
 
 import jax
 import jax.numpy as jnp
+import jmp
 import numpy as np
 import optax
 import pytest
@@ -114,6 +115,41 @@ def _sgd_update(grads, *, weight=None, every_k=2):
 
 
 TRIGGERS: dict[str, Callable[[], object]] = {
+    "`has_aux=True` and `fun` returns a loss alone": lambda: accum_jax.value_and_grad(
+        _loss, 2, has_aux=True)(W, jnp.ones((4, 3))),
+    "`fun` returns a tuple without `has_aux=True`": lambda: accum_jax.value_and_grad(
+        lambda w, b: (_loss(w, b), b), 2)(W, jnp.ones((4, 3))),
+    "with `state_argnums`, `fun`'s aux is not `(new_state, aux)`": lambda: accum_jax.value_and_grad(
+        lambda w, s, b: (_loss(w, b), s), 2, has_aux=True, state_argnums=1)(
+            W, jnp.zeros(2), jnp.ones((4, 3))),
+    "the new state's leaves differ in shape or dtype from the state passed in": lambda: (
+        accum_jax.value_and_grad(lambda w, s, b: (_loss(w, b), (s[:1], ())), 2, has_aux=True,
+                                 state_argnums=1)(W, jnp.zeros(2), jnp.ones((4, 3)))),
+    "the new state's tree differs from the state passed in": lambda: accum_jax.value_and_grad(
+        lambda w, s, b: (_loss(w, b), ({"s": s}, ())), 2, has_aux=True, state_argnums=1)(
+            W, jnp.zeros(2), jnp.ones((4, 3))),
+    "`aux_reduction='concat'` and an aux leaf has no leading axis of the microbatch's rows": (
+        lambda: accum_jax.value_and_grad(
+            lambda w, b: (_loss(w, b), jnp.ones(3)), 2, has_aux=True, aux_reduction="concat"
+        )(W, jnp.ones((4, 3)))),
+    "a differentiated argument holds a non-array (an Equinox module's function)": lambda: (
+        accum_jax.value_and_grad(lambda m, b: _loss(m["w"], b), 2)(
+            {"w": W, "act": jnp.tanh}, jnp.ones((4, 3)))),
+    "a `jmp.DynamicLossScale` is an argument and `skip_nonfinite` is left at its default": (
+        lambda: accum_jax.value_and_grad(lambda w, s, b: _loss(w, b), 2)(
+            W, jmp.DynamicLossScale(jnp.float32(2**15)), jnp.ones((4, 3)))),
+    "`gradient_noise=True` without `return_info=True`": lambda: _vg(gradient_noise=True),
+    "`value` is not a scalar": lambda: accum_jax.accumulate(optax.sgd(0.1), every_k=2).update(
+        {"w": W}, accum_jax.accumulate(optax.sgd(0.1), every_k=2).init({"w": W}), {"w": W},
+        value=jnp.ones(2)),
+    "`flush` is not a bool": lambda: accum_jax.accumulate(optax.sgd(0.1), every_k=2).update(
+        {"w": W}, accum_jax.accumulate(optax.sgd(0.1), every_k=2).init({"w": W}), flush=0.5),
+    "`boundaries` is not a mapping (a list of pairs)": lambda: accum_jax.every_k_schedule(
+        [(0, 2)]),
+    "`k_min` is below 2 or above `k_max`": lambda: accum_jax.noise_scale_every_k(
+        8, k_min=1, k_max=4),
+    "the `accumulate` state does not measure the noise": lambda: accum_jax.gradient_noise(
+        accum_jax.accumulate(optax.sgd(0.1), every_k=2).init({"w": W})),
     "`every_k` is below 1": lambda: accum_jax.accumulate(optax.sgd(1.0), every_k=0),
     "`every_k` is not an int (a float, a bool)": lambda: accum_jax.accumulate(
         optax.sgd(1.0), every_k=2.0
