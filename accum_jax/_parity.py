@@ -365,68 +365,17 @@ def _diagnose(
     rtol: float | None,
     atol: float,
 ) -> list[str]:
-  """The recognised causes of a failed check, in words."""
+  """The recognised causes of a failed check, in words: by-design causes first."""
   parsed = _options.make(num_microbatches, **options)
   batch_nums = _options.bind(parsed, args).batch_argnums
-  rng_nums, state_nums = parsed.rng_argnums, parsed.state_argnums
   # Causes that make parity fail whatever the weights: with one of them, a
   # weight_fn cannot be checked against the reference, so none is tried.
-  by_design = []
-  hints = []
-
-  inexact = [x for x in jax.tree.leaves(full) if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
-  if not all(np.isfinite(np.asarray(x)).all() for x in inexact):
-    by_design.append(
-        "The full-batch loss or gradient is itself not finite (NaN or Inf), so there is"
-        " no finite reference to match; fix the loss (or the data) on the full batch"
-        " first."
-    )
-  if num_skipped:
-    hints.append(
-        f"{num_skipped} microbatch(es) were skipped because their loss or gradient was"
-        " not finite (or their weight negative); the result averages the others only."
-        " Find the rows that make the loss non-finite, or pass skip_nonfinite=False to"
-        " see the NaN."
-    )
-
-  if state_nums:
-    by_design.append(
-        f"state_argnums={state_nums[0]} threads a state such as BatchNorm batch_stats:"
-        " in training mode each microbatch is normalised with its own batch statistics,"
-        " which differ from the full batch's by design (and the running averages are"
-        " updated once per microbatch). Check parity in evaluation mode"
-        " (use_running_average=True) to test the rest of the step."
-    )
-  elif any(
-      "batch_stats" in jax.tree_util.keystr(path)
-      for path, _ in jax.tree.leaves_with_path(full_aux)
-  ):
-    by_design.append(
-        "The aux holds batch_stats: with BatchNorm in training mode each microbatch is"
-        " normalised with its own statistics, which differ from the full batch's by"
-        " design. Thread the statistics with state_argnums, and check parity in"
-        " evaluation mode (use_running_average=True)."
-    )
-
-  if rng_nums:
-    by_design.append(
-        f"rng_argnums={rng_nums} gives microbatch i the key fold_in(key, i), so dropout"
-        " and other random draws differ from the full-batch draw by design. Check"
-        " parity with dropout off (deterministic=True, or a rate of 0)."
-    )
-  unnamed_keys = [
-      n for n, arg in enumerate(args)
-      if n not in rng_nums and any(_options.is_key(x) for x in jax.tree.leaves(arg))
+  by_design = [
+      *_non_finite_reference(full),
+      *_state_causes(parsed.state_argnums, full_aux),
+      *_key_causes(args, parsed.rng_argnums),
   ]
-  if unnamed_keys:
-    by_design.append(
-        f"Argument(s) {unnamed_keys} hold a PRNG key not named in rng_argnums: every"
-        " microbatch draws with the same key, so random draws repeat across microbatches"
-        " and differ from the full-batch draw. Name the key in rng_argnums, and check"
-        " parity with dropout off."
-    )
-
-  hints = by_design + hints
+  hints = by_design + _skipped_hints(num_skipped)
   conclusive = bool(hints)
   if options.get("weight_fn") is not None:
     hints.append(
@@ -440,31 +389,103 @@ def _diagnose(
     )
     hints.extend(mask_hints)
     conclusive = conclusive or found
+  return hints if conclusive else hints + _unexplained_hints(per_leaf, round_off)
 
-  if not conclusive:
-    # The worst failing leaf's deviation, in units of its dtype's default rtol.
-    excess = max(leaf.max_rel / round_off[name] for name, leaf in per_leaf.items()
-                 if not leaf.ok)
-    if excess <= 1:
-      return hints + [
-          f"The deviation is within round-off (max_rel at most {excess:.3g} times the"
-          " default rtol of the leaf's dtype): the tolerance given is tighter than the"
-          " order of summation allows. Use the default, rtol=None."
-      ]
-    if excess < 100:
-      hints.append(
-          f"The deviation is small ({excess:.3g} times the default rtol of the leaf's"
-          " dtype): this can be round-off of long reductions, or of low-precision arithmetic"
-          " (e.g. bfloat16 activations) summed in another order. If so, pass a looser"
-          " rtol."
-      )
-    hints.append(
-        "Microbatching reproduces the full batch when the loss is a mean of independent"
-        " per-example terms (or, with weight_fn, a mean over the units weight_fn"
-        " counts). Losses that couple the examples of a batch (batch statistics,"
-        " in-batch negatives of contrastive losses, normalising by a batch-dependent"
-        " quantity) change with the microbatch size by design."
+
+def _non_finite_reference(full: tuple[Any, Any]) -> list[str]:
+  inexact = [x for x in jax.tree.leaves(full) if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
+  if all(np.isfinite(np.asarray(x)).all() for x in inexact):
+    return []
+  return [
+      "The full-batch loss or gradient is itself not finite (NaN or Inf), so there is"
+      " no finite reference to match; fix the loss (or the data) on the full batch"
+      " first."
+  ]
+
+
+def _skipped_hints(num_skipped: int) -> list[str]:
+  if not num_skipped:
+    return []
+  return [
+      f"{num_skipped} microbatch(es) were skipped because their loss or gradient was"
+      " not finite (or their weight negative); the result averages the others only."
+      " Find the rows that make the loss non-finite, or pass skip_nonfinite=False to"
+      " see the NaN."
+  ]
+
+
+def _state_causes(state_nums: tuple[int, ...], full_aux: Any) -> list[str]:
+  """BatchNorm: statistics per microbatch differ from the full batch's."""
+  if state_nums:
+    return [
+        f"state_argnums={state_nums[0]} threads a state such as BatchNorm batch_stats:"
+        " in training mode each microbatch is normalised with its own batch statistics,"
+        " which differ from the full batch's by design (and the running averages are"
+        " updated once per microbatch). Check parity in evaluation mode"
+        " (use_running_average=True) to test the rest of the step."
+    ]
+  if any("batch_stats" in jax.tree_util.keystr(path)
+         for path, _ in jax.tree.leaves_with_path(full_aux)):
+    return [
+        "The aux holds batch_stats: with BatchNorm in training mode each microbatch is"
+        " normalised with its own statistics, which differ from the full batch's by"
+        " design. Thread the statistics with state_argnums, and check parity in"
+        " evaluation mode (use_running_average=True)."
+    ]
+  return []
+
+
+def _key_causes(args: tuple[Any, ...], rng_nums: tuple[int, ...]) -> list[str]:
+  """Random draws per microbatch differ from the full batch's."""
+  causes = []
+  if rng_nums:
+    causes.append(
+        f"rng_argnums={rng_nums} gives microbatch i the key fold_in(key, i), so dropout"
+        " and other random draws differ from the full-batch draw by design. Check"
+        " parity with dropout off (deterministic=True, or a rate of 0)."
     )
+  unnamed_keys = [
+      n for n, arg in enumerate(args)
+      if n not in rng_nums and any(_options.is_key(x) for x in jax.tree.leaves(arg))
+  ]
+  if unnamed_keys:
+    causes.append(
+        f"Argument(s) {unnamed_keys} hold a PRNG key not named in rng_argnums: every"
+        " microbatch draws with the same key, so random draws repeat across microbatches"
+        " and differ from the full-batch draw. Name the key in rng_argnums, and check"
+        " parity with dropout off."
+    )
+  return causes
+
+
+def _unexplained_hints(
+    per_leaf: Mapping[str, LeafDeviation], round_off: Mapping[str, float]
+) -> list[str]:
+  """No cause recognised: round-off, or a loss that couples the examples."""
+  # The worst failing leaf's deviation, in units of its dtype's default rtol.
+  excess = max(leaf.max_rel / round_off[name] for name, leaf in per_leaf.items()
+               if not leaf.ok)
+  if excess <= 1:
+    return [
+        f"The deviation is within round-off (max_rel at most {excess:.3g} times the"
+        " default rtol of the leaf's dtype): the tolerance given is tighter than the"
+        " order of summation allows. Use the default, rtol=None."
+    ]
+  hints = []
+  if excess < 100:
+    hints.append(
+        f"The deviation is small ({excess:.3g} times the default rtol of the leaf's"
+        " dtype): this can be round-off of long reductions, or of low-precision arithmetic"
+        " (e.g. bfloat16 activations) summed in another order. If so, pass a looser"
+        " rtol."
+    )
+  hints.append(
+      "Microbatching reproduces the full batch when the loss is a mean of independent"
+      " per-example terms (or, with weight_fn, a mean over the units weight_fn"
+      " counts). Losses that couple the examples of a batch (batch statistics,"
+      " in-batch negatives of contrastive losses, normalising by a batch-dependent"
+      " quantity) change with the microbatch size by design."
+  )
   return hints
 
 
