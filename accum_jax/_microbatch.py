@@ -380,105 +380,57 @@ def value_and_grad(
 ) -> Callable[..., Any]:
   """``jax.value_and_grad`` over a batch split into microbatches.
 
-  The batch arguments are split along axis 0 into ``num_microbatches`` equal
-  parts, and a ``jax.lax.scan`` takes the value and gradient of ``fun`` on each
-  in turn, so only one microbatch's activations are alive at a time::
+  The batch arguments are split along axis 0 into ``num_microbatches`` parts and
+  a ``jax.lax.scan`` takes the value and gradient of ``fun`` on each in turn, so
+  one microbatch's activations are alive at a time. The result is the weighted
+  mean over the microbatches, the full batch's mean.
 
-    for i, mb in enumerate(split(batch, num_microbatches)):
-      w_i = weight_fn(*mb) if weight_fn else 1
-      (L_i, aux_i), g_i = jax.value_and_grad(fun, argnums, has_aux)(..., mb, ...)
-      accumulate w_i * L_i, w_i * g_i, aux_i     # float32; non-finite skipped
-    return (sum w_i L_i / sum w_i, reduce(aux)), sum w_i g_i / sum w_i
-
-  With ``fun`` returning its microbatch's mean loss and ``weight_fn`` the
-  microbatch's number of valid tokens, the result is the exact full-batch
-  token mean. Without ``weight_fn``, every microbatch counts 1: the mean of
-  equal-sized microbatch means, which is the full-batch mean.
+  See the guide: :doc:`/two_doors`.
 
   Args:
     fun: the function to differentiate, as for ``jax.value_and_grad``.
     num_microbatches: the number of microbatches, an int >= 1 dividing the batch.
     argnums: which positional argument(s) to differentiate.
-    batch_argnums: which positional argument(s) are batches: pytrees whose
-      leaves all have the same leading batch size. None (the default) splits
-      every positional argument that is not in ``argnums``, ``rng_argnums`` or
-      ``state_argnums`` and whose leaves are all arrays with a leading axis, so
-      ``loss(params, x, y)`` splits ``x`` and ``y``. Keyword arguments are never
-      split; nor is a batch that ``fun`` closes over (pass it as an argument).
+    batch_argnums: which positional argument(s) are batches (pytrees whose
+      leaves share a leading axis). None (default): every positional argument
+      not otherwise named whose leaves are arrays with a leading axis.
     has_aux: ``fun`` returns ``(value, aux)``.
-    weight_fn: called with the batch arguments of one microbatch, returns its
-      scalar weight (e.g. ``lambda batch: batch["mask"].sum()``). A zero weight
-      makes a microbatch count for nothing, even when its loss is NaN.
-    rng_argnums: argument(s) holding a PRNG key, or a pytree of keys such as
-      Linen's ``{"dropout": key}``; microbatch ``i`` receives
-      ``jax.random.fold_in(key, i)`` of each (and, under ``mesh``, the device index
-      folded in as well), so dropout differs between microbatches.
-    state_argnums: an argument threaded through the microbatches in order, e.g.
-      Flax BatchNorm ``batch_stats``. ``fun`` must then have ``has_aux=True``
-      and return ``(value, (new_state, aux))``; the result's aux is
-      ``(final_state, reduced_aux)``. A skipped or zero-weight microbatch leaves
-      the state as it was.
-    aux_reduction: how aux leaves come back. ``"mean"`` averages them like the
-      loss, weighted when ``weight_fn`` is given (integer leaves become
-      float32); ``"sum"`` sums them (integers exactly, in integers);
-      ``"concat"`` returns per-example outputs (a leading axis of the
-      microbatch's rows, e.g. logits) as ``(batch, ...)`` in the batch's row
-      order, padding removed; ``"stack"`` returns them stacked with a leading
-      ``num_microbatches`` axis. None (the default) concatenates each leaf
-      whose leading axis is the microbatch's rows and averages the others.
-    split: which rows make microbatch ``i``: ``"contiguous"`` (default), rows
-      ``i * B/N`` to ``(i + 1) * B/N - 1``; ``"strided"``, rows ``i, i + N, i +
-      2N, ...``. Use ``"strided"`` when the batch is sharded over devices and
-      no ``mesh`` is given (e.g. FSDP): each microbatch then spans all devices,
-      where a contiguous one would sit on a few and be gathered. With ``mesh``
-      each device splits its own shard, so either works.
-    pad_batch: when the batch does not split into ``num_microbatches`` (times
-      the devices of ``data_axis``), append rows of zeros to every batch leaf
-      until it does, instead of raising. Needs ``weight_fn``, which must give
-      those rows zero weight (as a mask of zeros does), and ``fun`` must let
-      them count for nothing, as a masked mean does: the last, short batch of
-      an epoch then needs no other ``num_microbatches``. In a microbatch that
-      also holds real rows, the padding goes through the forward pass, so
-      BatchNorm statistics (``state_argnums``) see it; a microbatch of padding
-      alone has weight 0 and leaves the state as it was.
+    weight_fn: maps one microbatch's batch arguments to its scalar weight,
+      e.g. ``lambda batch: batch["mask"].sum()``. None: every microbatch weighs 1.
+    rng_argnums: argument(s) holding a PRNG key or a pytree of keys; microbatch
+      ``i`` gets ``jax.random.fold_in(key, i)`` of each.
+    state_argnums: an argument threaded through the microbatches in order
+      (e.g. BatchNorm ``batch_stats``); ``fun`` then returns
+      ``(value, (new_state, aux))`` with ``has_aux=True``.
+    aux_reduction: ``"mean"``, ``"sum"``, ``"concat"`` (per-example, in batch
+      order) or ``"stack"`` (per microbatch). None (default): concatenate the
+      leaves with a leading axis of the microbatch's rows, average the others.
+    split: ``"contiguous"`` (default) or ``"strided"`` rows per microbatch;
+      ``"strided"`` for a sharded batch without ``mesh``.
+    pad_batch: pad a batch that does not split with zero rows instead of
+      raising; needs a ``weight_fn`` that gives them zero weight.
     accumulator_dtype: the dtype of the running sums (float32 by default; None
-      for the gradients' own dtype). Results are cast back.
-    skip_nonfinite: skip, and count, a microbatch whose loss or gradient holds
-      NaN or Inf; the normalisation uses only what was kept. When every
-      microbatch is skipped, the loss and gradients are NaN (as on the whole
-      batch), so a following ``accumulate`` skips the step too. Under ``mesh``
-      each device decides for its own part of a microbatch. None (the default)
-      means True, except that with a dynamic loss scale (``jmp.DynamicLossScale``)
-      among the arguments it must be given: False lets an overflow reach the
-      scaler, as on the whole batch (see the mixed-precision guide).
-    mesh: a ``jax.sharding.Mesh`` to run data-parallel on: the batch arguments
-      are sharded over ``data_axis``, the other arguments replicated, each
-      device accumulates its local gradient, and the devices' sums are reduced
-      once per call, after the loop. Defaults to the mesh set with
-      ``jax.set_mesh`` when ``data_axis`` is given.
+      for the gradients' own). Results are cast back.
+    skip_nonfinite: skip, and count, a microbatch whose loss or gradient is
+      not finite. None (default) means True, but must be given when a dynamic
+      loss scale is among the arguments.
+    mesh: a ``jax.sharding.Mesh`` to run data-parallel on, with one gradient
+      reduction per call. None: the ``jax.set_mesh`` mesh when ``data_axis`` is
+      given, else no mesh.
     data_axis: the mesh axis the batch is sharded over.
     return_info: also return a :class:`MicrobatchInfo`.
-    gradient_noise: estimate the gradient noise from the microbatches'
-      gradients (one squared norm per microbatch; under ``mesh`` each device's
-      part of a microbatch is a small batch, and the sums join the one
-      reduction after the loop), as ``info.gradient_noise``. Needs
-      ``return_info``.
+    gradient_noise: estimate the gradient noise from the microbatches, as
+      ``info.gradient_noise``. Needs ``return_info``.
 
   Returns:
     A function with ``fun``'s signature returning what ``jax.value_and_grad``
-    would: ``(value, aux), grads`` or ``value, grads``; with ``return_info``, a
-    :class:`MicrobatchInfo` third. Keyword arguments reach ``fun`` unsplit and
-    undifferentiated. Call it under ``jax.jit``: eagerly, every call traces and
-    compiles its loop anew.
+    would (and a :class:`MicrobatchInfo` third with ``return_info``). Call it
+    under ``jax.jit``: eagerly, every call compiles its loop anew.
 
   Raises:
-    ValueError: for ``num_microbatches`` < 1, overlapping or out-of-range
-      argnums, an unknown ``aux_reduction``; at trace time, for a batch that
-      does not split, batch arguments of different sizes, a ``weight_fn`` that
-      does not return a scalar, an ``rng_argnums`` argument that is no key, or
-      a ``fun`` that does not return what ``has_aux`` and ``state_argnums``
-      promise (a scalar loss; ``(loss, aux)``; ``(loss, (new_state, aux))``
-      with ``new_state`` of the state's tree, shapes and dtypes).
+    ValueError: for bad options; at trace time, for a batch that does not
+      split, a non-scalar weight, or a ``fun`` that does not return what
+      ``has_aux`` and ``state_argnums`` promise.
 
   Examples:
     >>> import jax, jax.numpy as jnp, accum_jax

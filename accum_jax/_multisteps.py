@@ -14,25 +14,12 @@ from accum_jax import _transform
 class MultiSteps:
   """Drop-in replacement for ``optax.MultiSteps``.
 
-  The constructor, the methods and the state fields users read (``mini_step``,
-  ``gradient_step``, ``inner_opt_state``, ``acc_grads``) are Optax's; switch
-  with one import. Built on :func:`accum_jax.accumulate`, it also:
+  The constructor, the methods and the state fields users read are Optax's;
+  built on :func:`accum_jax.accumulate`, it computes the inner update only on
+  the call that applies it, skips non-finite gradients, and accepts ``weight=``
+  and ``flush=`` in ``update``. ``acc_grads`` holds the window's weighted *sum*.
 
-  - computes the inner update only on the call that applies it;
-  - skips (and counts) non-finite gradients even without a skip function;
-  - accepts ``weight=`` and ``flush=`` in ``update``.
-
-  ``acc_grads`` holds the weighted *sum* of the window's gradients in a float32
-  accumulator (Optax keeps their running mean); in one narrower than float32
-  (``accumulator_dtype=jnp.float16``, or None with float16 parameters), their
-  running weighted mean, as Optax: a float16 sum overflows where the mean does
-  not. Each leaf accumulates in the promotion of ``accumulator_dtype`` and its
-  gradient's dtype, so complex gradients keep their imaginary part.
-
-  Extra keyword arguments reach the inner optimizer on the updating call;
-  ``value`` (the loss, for ``optax.polyak_sgd`` or
-  ``optax.contrib.reduce_on_plateau``) is then the weighted mean of the
-  window's values rather than the last mini-step's, as on the full batch.
+  See the guide: :doc:`/migrating`.
 
   Args:
     opt: the wrapped optimizer.
@@ -40,9 +27,7 @@ class MultiSteps:
       number of mini-steps per update.
     use_grad_mean: average the accumulated gradients (True) or sum them.
     should_skip_update_fn: an Optax skip function such as
-      ``optax.skip_not_finite`` or ``functools.partial(optax.skip_large_updates,
-      max_squared_norm=...)``; a mini-step it rejects is not accumulated, and
-      what it reports lands in ``state.skip_state``.
+      ``optax.skip_not_finite``; a mini-step it rejects is not accumulated.
     accumulator_dtype: the least precision of the accumulator; float32 by
       default. None accumulates in the gradients' dtype.
 

@@ -210,39 +210,21 @@ def plan_microbatches(
   """The smallest ``num_microbatches`` whose step fits a memory budget.
 
   Compiles, never runs, ``jax.jit(accum_jax.value_and_grad(fun, n, **options))``
-  for a few candidate ``n`` (a bisection over the sorted candidates, assuming the
-  memory falls as ``n`` grows) and estimates each one's peak from XLA's memory
-  analysis as ``argument + output + temp - alias`` bytes per device. The
-  returned ``num_microbatches`` was compiled and its estimate fits the budget.
-  Where the estimates do not fall with ``n`` (a model whose parameters outweigh
-  its activations: for ``n > 1`` the float32 gradient accumulator can cost more
-  than the activations saved), it may not be the smallest that fits; pass
-  ``candidates`` to choose among fewer.
+  for a few candidate ``n`` and estimates each one's peak from XLA's memory
+  analysis. The estimate covers the gradient step only: leave room in the
+  budget for the optimizer update.
 
-  The estimate covers this gradient step only. The optimizer update needs room
-  too (Adam's new moments are twice the parameters' size): leave it in the
-  budget. Fragmentation is not modelled either; a budget of about 90% of what
-  is free leaves some headroom. The default budget (the device's free memory)
-  already excludes arrays that are on the device, and the estimate counts the
-  step's arguments again, which errs on the safe side.
-
-  Accuracy: on a 2-core CPU, for an activation-dominated MLP (``bench/bench_planner.py``),
-  the estimate ran 2 to 11% below the measured peak, a few MiB of scratch memory
-  that the CPU runtime allocates outside XLA's buffer assignment; leave a few MiB
-  of headroom. It has not been measured on a GPU.
+  See the guide: :doc:`/planner_parity`.
 
   Args:
     fun: the loss function, as for :func:`accum_jax.value_and_grad`.
     *args: the step's positional arguments: arrays, or ``jax.ShapeDtypeStruct``
-      to plan without data. Close over non-array arguments with
-      ``functools.partial``.
-    memory_budget_bytes: the bytes the step may use on each device. Default: the
-      free memory of ``jax.devices()[0]`` (``bytes_limit - bytes_in_use`` from
-      its ``memory_stats()``); required on CPU, which does not report it.
+      to plan without data.
+    memory_budget_bytes: the bytes the step may use on each device. None
+      (default): the free memory of ``jax.devices()[0]``; required on CPU.
     candidates: the ``num_microbatches`` to choose from, each dividing the
-      (per-device) batch size. Default: all its divisors.
+      (per-device) batch size. None (default): all its divisors.
     **value_and_grad_options: the options of :func:`accum_jax.value_and_grad`
-      (``argnums``, ``batch_argnums``, ``has_aux``, ``weight_fn``, ``mesh``...),
       as the step will use them.
 
   Returns:
@@ -250,11 +232,9 @@ def plan_microbatches(
     candidates compiled, and the ``memory_budget_bytes`` used.
 
   Raises:
-    MemoryBudgetError: (a ``ValueError``) when no candidate fits; it names the
-      smallest estimate and what to try.
-    ValueError: for a budget that is not a positive number, a default budget on
-      a backend that reports no free memory, candidates that do not divide the
-      batch, or ``num_microbatches`` among the options.
+    MemoryBudgetError: (a ``ValueError``) when no candidate fits.
+    ValueError: for a bad budget or candidates, or ``num_microbatches`` among
+      the options.
 
   Examples:
     >>> import jax, jax.numpy as jnp, accum_jax

@@ -112,18 +112,17 @@ class _ParamIndex:
 def abstract_tree(tree: Any, params: Any) -> Any:
   """``tree`` as ``jax.ShapeDtypeStruct``\\ s sharded like ``params``: a restore target.
 
-  Use it for a whole training state, such as a Flax ``TrainState`` from
-  ``jax.eval_shape(create_state)``: each leaf that belongs to a parameter (the
-  parameter itself, its optimizer statistics, its accumulated gradient; a leaf
-  whose key path ends with the parameter's and whose shape is the parameter's)
-  gets that parameter's sharding; every other leaf (step counters, scalars,
-  statistics of other shapes such as BatchNorm's) is replicated on the
-  parameters' mesh. For the optimizer state alone, see :func:`abstract_state`.
+  For a whole training state, such as a Flax ``TrainState``: each leaf that
+  belongs to a parameter (its key path ends with the parameter's and it has the
+  parameter's shape) gets that parameter's sharding; every other leaf is
+  replicated on the parameters' mesh. For the optimizer state alone, see
+  :func:`abstract_state`.
+
+  See the guide: :doc:`/guides/checkpoints`.
 
   Args:
     tree: a pytree of ``jax.ShapeDtypeStruct`` or arrays, typically
-      ``jax.eval_shape`` of the function that built the saved state, which
-      gives back its classes (``TrainState``, ``AccumulationState``).
+      ``jax.eval_shape`` of the function that built the saved state.
     params: the parameters on the new devices: ``jax.Array``\\ s, or
       ``jax.ShapeDtypeStruct``\\ s whose ``sharding`` is set, all on one mesh.
 
@@ -132,9 +131,8 @@ def abstract_tree(tree: Any, params: Any) -> Any:
     and the sharding above, for ``orbax.checkpoint``'s restore.
 
   Raises:
-    ValueError: if ``params`` is empty, has a leaf without a concrete
-      sharding, or spans more than one set of devices; if a leaf of ``tree``
-      is not an array or ``jax.ShapeDtypeStruct``.
+    ValueError: for ``params`` that cannot be placed on one mesh, or a leaf of
+      ``tree`` that is not an array or ``jax.ShapeDtypeStruct``.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, accum_jax
@@ -176,21 +174,12 @@ def _abstract_tree(tree: Any, index: _ParamIndex) -> Any:
 def abstract_state(opt: _HasInit, params: Any) -> Any:
   """The abstract state of ``opt`` for ``params``' mesh: a target for a restore.
 
-  Restoring a checkpoint on a different number of devices (saved on 8, resumed
-  on 4) needs a target whose every leaf names a sharding on the new devices;
-  ``jax.eval_shape(opt.init, params)`` names none, and an eager ``opt.init``
-  puts the counters on one device. This builds ``opt.init``'s state abstractly
-  (nothing is computed or allocated) and gives each parameter-shaped leaf (the
-  accumulator's ``total``, Adam's ``mu`` and ``nu``, any statistic kept per
-  parameter) its parameter's sharding, and every other leaf (counters, the
-  window's weight, scalars) a sharding replicated on the parameters' mesh, the
-  layout ``jax.jit(opt.update)`` works with. The state may be resumed in the
-  middle of an accumulation window.
+  Builds ``opt.init``'s state abstractly and gives each parameter-shaped leaf
+  (the accumulator's ``total``, Adam's ``mu`` and ``nu``) its parameter's
+  sharding and every other leaf a sharding replicated on the parameters' mesh,
+  so that a state saved on 8 devices restores on 4.
 
-  Works for :func:`accum_jax.accumulate`, :class:`accum_jax.MultiSteps`,
-  ``optax.MultiSteps`` and bare Optax optimizers or chains, whatever fields
-  their states have. A statistic kept per parameter in another shape (e.g.
-  Adafactor's factored rows and columns) is replicated.
+  See the guide: :doc:`/guides/checkpoints`.
 
   Args:
     opt: the optimizer that made the saved state: anything with Optax's
@@ -203,8 +192,8 @@ def abstract_state(opt: _HasInit, params: Any) -> Any:
     ``opt.init(params)``, to pass to ``orbax.checkpoint``'s restore.
 
   Raises:
-    ValueError: if ``opt`` has no ``init``; if ``params`` is empty, has a leaf
-      without a concrete sharding, or spans more than one set of devices.
+    ValueError: if ``opt`` has no ``init``, or ``params`` cannot be placed on
+      one mesh.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, accum_jax

@@ -477,82 +477,38 @@ def accumulate(
   """Accumulates gradients over ``every_k`` calls, then runs ``inner`` once.
 
   Each call adds its gradient to a running weighted sum. The ``every_k``-th call
-  hands the combined gradient to ``inner`` and returns its update; the other
-  calls return zeros (in the dtypes ``inner`` would return) and neither compute
-  nor advance ``inner``, so schedules inside it count optimizer steps::
+  hands the window's gradient to ``inner`` and returns its update; the other
+  calls return zeros and neither compute nor advance ``inner``.
 
-    for g_i, w_i in calls:                 # w_i = weight (default 1)
-      if g_i is not finite: skip, count    # never added, never counted
-      total += w_i * g_i; weight += w_i    # in accumulator_dtype
-      if calls in window == k or flush:
-        update = inner(total / weight)     # cast to g's dtype; 'mean'
-        empty the window
-      else:
-        update = 0
-
-  With ``weight`` the number of valid tokens of each microbatch and ``g_i`` the
-  gradient of its mean loss, the update is the exact large-batch token mean.
+  See the guide: :doc:`/two_doors`.
 
   Args:
     inner: the optimizer to run on the accumulated gradient, any Optax
       ``GradientTransformation`` or chain.
-    every_k: calls per update, an int >= 1, or a schedule: a callable from the
-      optimizer step (an int32 scalar, updates so far) to the number of calls,
-      e.g. :func:`accum_jax.every_k_schedule`; it may change without a
-      recompile. Or :func:`accum_jax.noise_scale_every_k`: a window length that
-      follows the measured gradient noise scale.
+    every_k: calls per update, an int >= 1, or a schedule from the optimizer
+      step to the number of calls (:func:`accum_jax.every_k_schedule`,
+      :func:`accum_jax.noise_scale_every_k`).
     reduction: ``"mean"`` (default) divides the accumulated gradient by the
       total weight; ``"sum"`` passes the weighted sum.
-    accumulator_dtype: the least precision of the running sum; each leaf
-      accumulates in the promotion of this and its gradient's dtype. float32 by
-      default, so that bfloat16 gradients are summed without loss (complex64
-      gradients accumulate in complex64, float64 ones in float64). None keeps
-      the gradients' dtype; a float16 or bfloat16 accumulator then holds the
-      window's running weighted mean (computed in float32, rounded once per
-      call), which stays finite where a float16 sum would overflow. Weights
-      and their total are float32 whatever this is.
-    skip_nonfinite: skip (and count in ``state.num_skipped``) a call whose
-      gradient (or ``value``) holds NaN or Inf; its update is zeros and nothing
-      accumulated is lost. A window that ends with zero total weight (all its
-      calls had weight 0) applies nothing and is counted in
-      ``state.num_empty_windows``. With ``reduction="sum"``, a window whose
-      sum overflows the gradients' float16 or bfloat16 dtype applies nothing
-      and its calls are counted as skipped.
-    gradient_noise: estimate the gradient noise from the calls' gradients (one
-      squared norm per call; each call is a small batch of its ``weight``, 1
-      without one): :func:`accum_jax.gradient_noise` reads the last applied
-      window's :class:`accum_jax.GradientNoise` from the state.
+    accumulator_dtype: the least precision of the running sum (float32 by
+      default); None keeps the gradients' dtype.
+    skip_nonfinite: skip, and count in ``state.num_skipped``, a call whose
+      gradient or ``value`` holds NaN or Inf.
+    gradient_noise: estimate the gradient noise from the calls' gradients, read
+      with :func:`accum_jax.gradient_noise`.
 
   Returns:
-    An ``optax.GradientTransformationExtraArgs``. Its ``update(grads, state,
+    An ``optax.GradientTransformationExtraArgs`` whose ``update(grads, state,
     params=None, *, weight=None, flush=False, **extra_args)`` takes a scalar
-    ``weight`` for this call's gradient, and ``flush`` (a Python or traced bool;
-    None counts as False, as None does for ``weight``) to update now with what
-    the window holds, normalised by what it holds: the last, partial window of
-    an epoch. Other keyword arguments reach ``inner``, on the emitting call:
-
-    - ``value`` (this call's loss; ``optax.polyak_sgd``,
-      ``optax.contrib.reduce_on_plateau``, line searches) is reduced over the
-      window like the gradient: ``inner`` gets the weighted mean of the values
-      of the window's kept calls (skipped calls excluded), the full batch's
-      loss. A call whose ``value`` is not finite is skipped.
-      ``state.window_value`` keeps the last applied window's: the loss to log.
-    - ``grad`` (a line search's gradient at ``params``) is replaced by the
-      window's gradient.
-    - Everything else, ``value_fn`` included, is the emitting call's. A line
-      search (``optax.scale_by_zoom_linesearch``, ``optax.lbfgs``) evaluates
-      ``value_fn`` at trial parameters: it is exact only if that ``value_fn``
-      computes the loss of the whole window's data, which the emitting call
-      must then hold.
-
-    Call it under ``jax.jit``: eagerly, every call traces and compiles anew.
+    ``weight`` for this call and ``flush`` to update now with what the window
+    holds; other keyword arguments reach ``inner`` on the updating call
+    (``value`` and ``grad`` as the window's). Call it under ``jax.jit``:
+    eagerly, every call compiles anew.
 
   Raises:
-    ValueError: for ``every_k`` < 1, an unknown ``reduction``, a non-float
-      ``accumulator_dtype``; at trace time, for gradients whose tree or shapes
-      differ from the parameters' (of the fast ones, for ``optax.lookahead``'s
-      ``LookaheadParams``), a non-scalar ``weight`` or ``value``, or a
-      ``flush`` that is not a bool scalar.
+    ValueError: for bad options; at trace time, for gradients whose tree or
+      shapes differ from the parameters', a non-scalar ``weight`` or ``value``,
+      or a ``flush`` that is not a bool scalar.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, accum_jax

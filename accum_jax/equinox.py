@@ -207,67 +207,38 @@ def filter_value_and_grad(
   """``eqx.filter_value_and_grad(fun)`` over a batch split into microbatches.
 
   As with Equinox, the gradient is taken with respect to the floating-point
-  arrays of the first argument (the model); its other leaves get ``None``, and
-  every other argument passes through undifferentiated. The batch arguments are
-  split into ``num_microbatches`` and :func:`accum_jax.value_and_grad` scans over
-  them, so the result equals the full-batch one::
+  arrays of the first argument (the model). The arguments after it are read by
+  what they are: batches are split, an ``eqx.nn.State`` is threaded through the
+  microbatches, PRNG keys get the microbatch index folded in, and anything else
+  passes unchanged.
 
-    for i, mb in enumerate(split(batch, num_microbatches)):
-      (L_i, state), g_i = eqx.filter_value_and_grad(fun, has_aux)(
-          model, state, *mb, fold_in(key, i))
-    return (mean(L_i), state), mean(g_i)
-
-  The roles of the arguments after the model are found as Equinox code writes them:
-
-  * batch: arrays only, each with a leading batch axis (``x``, ``y``, a dict or
-    tuple of arrays), and not a Module. Name them with ``batch_argnums`` instead.
-  * ``eqx.nn.State``: threaded through the microbatches in order. ``fun`` returns
-    the updated State in its aux, ``(loss, state)`` or ``(loss, (state, metrics))``,
-    with ``has_aux=True``; the result's aux has the same shape, holding the State
-    after the last microbatch and the other aux reduced (``aux_reduction``).
-    A skipped microbatch (non-finite, or zero weight) leaves the State as it was.
-  * PRNG key: a single key (``jax.random.key`` or ``jax.random.PRNGKey``) or a
-    pytree of them, positional or keyword (Equinox's ``key=``). Microbatch ``i``
-    receives ``jax.random.fold_in(key, i)``. Name positional keys with
-    ``rng_argnums`` instead; a batch of keys, one per example, is a batch.
-  * anything else (a second model, a Python flag, a scalar): passed unchanged to
-    every microbatch. Keyword arguments other than keys pass unchanged too.
-
-  Non-array leaves (activations, ``eqx.nn.Lambda``, floats, bools) are closed
-  over, never passed to JAX, so ``mesh=`` works with them.
+  See the guide: :doc:`/guides/equinox`.
 
   Args:
     fun: ``fun(model, *args, **kwargs)`` returning a scalar loss, or ``(loss,
       aux)`` with ``has_aux``. Without ``fun``, a decorator:
       ``@filter_value_and_grad(num_microbatches=4)``.
     num_microbatches: the number of microbatches, an int >= 1 dividing the batch.
-    has_aux: ``fun`` returns ``(loss, aux)``.
+    has_aux: ``fun`` returns ``(loss, aux)``; needed with an ``eqx.nn.State``.
     batch_argnums: which positional arguments are batches, in ``fun``'s
-      numbering (never 0, the model); None finds them as above.
-    rng_argnums: which positional arguments hold PRNG keys to fold the
-      microbatch index into; None finds them as above, ``()`` folds none.
-    weight_fn: called with the batch arguments of one microbatch (in the order
-      of ``batch_argnums``), returns its scalar weight, as for
-      :func:`accum_jax.value_and_grad`.
-    **options: other options of :func:`accum_jax.value_and_grad`:
-      ``aux_reduction``, ``split``, ``pad_batch``, ``accumulator_dtype``,
-      ``skip_nonfinite``, ``mesh``, ``data_axis``, ``return_info``.
+      numbering (never 0, the model); None finds them.
+    rng_argnums: which positional arguments hold PRNG keys; None finds them,
+      ``()`` folds none.
+    weight_fn: maps one microbatch's batch arguments to its scalar weight, as
+      for :func:`accum_jax.value_and_grad`.
+    **options: other options of :func:`accum_jax.value_and_grad`, such as
+      ``aux_reduction``, ``accumulator_dtype``, ``mesh``, ``return_info``.
 
   Returns:
     A function with ``fun``'s signature returning what
-    ``eqx.filter_value_and_grad`` would, ``(loss, aux), grads`` or ``loss,
-    grads``, with ``grads`` shaped like the model (``None`` at leaves that are
-    not floating-point arrays), ready for ``optax`` and ``eqx.apply_updates``; a
+    ``eqx.filter_value_and_grad`` would, ``grads`` shaped like the model; a
     :class:`accum_jax.MicrobatchInfo` third with ``return_info=True``. Call it
-    under ``eqx.filter_jit`` (``jax.jit`` takes arrays only, so not a model
-    with an activation function among its leaves).
+    under ``eqx.filter_jit``.
 
   Raises:
-    ValueError: for ``argnums`` or ``state_argnums`` (fixed here), argnums naming
-      the model; at call time, for no batch found, several State arguments, a
-      State with ``has_aux=False`` or not returned in aux, a raw key that could
-      be a batch of two; otherwise as :func:`accum_jax.value_and_grad`. Argument
-      numbers in messages are ``fun``'s own.
+    ValueError: for ``argnums`` or ``state_argnums``, or argnums naming the
+      model; when called, for no batch found or a misused ``eqx.nn.State``;
+      otherwise as :func:`accum_jax.value_and_grad`.
 
   Examples:
     >>> import equinox as eqx, jax, jax.numpy as jnp, accum_jax.equinox

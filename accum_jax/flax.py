@@ -144,71 +144,40 @@ def nnx_value_and_grad(
 ) -> Callable[..., Any]:
   """``nnx.value_and_grad(fun)`` over microbatches.
 
-  Every argument that is, or holds, an NNX graph node (the model, an
-  ``nnx.Rngs``, an ``nnx.MultiMetric``, any module of ``nnx.Variable``\\ s) is
-  handled as ``nnx.value_and_grad`` handles it: the ``wrt`` variables of the
-  ``argnums`` arguments are differentiated, and the state of all graph-node
-  arguments (BatchNorm statistics, ``nnx.Rngs`` counts, metric totals...) is
-  threaded through the microbatches in order and written back afterwards::
+  Graph-node arguments (the model, an ``nnx.Rngs``, metrics) are handled as
+  ``nnx.value_and_grad`` handles them: the ``wrt`` variables of ``argnums`` are
+  differentiated, and the state of all graph nodes is threaded through the
+  microbatches in order and written back afterwards. Argument numbers are
+  ``fun``'s own.
 
-    graphdef, diff, state = nnx.split(graph_node_args, wrt of argnums, ...)
-    for mb in split(batch, num_microbatches):          # a lax.scan
-      nodes = nnx.merge(graphdef, diff, state)
-      L_i, g_i = value_and_grad(fun)(*nodes, mb)     # w.r.t. diff
-      state = the state of nodes after the call
-    nnx.update(graph_node_args, state)
-    return mean(L_i), mean(g_i)
-
-  An ``nnx.Rngs`` (passed as an argument or held by the model) therefore draws
-  new keys for each microbatch and BatchNorm statistics update microbatch by
-  microbatch, exactly as ``num_microbatches`` sequential ``nnx.value_and_grad``
-  calls would. All graph-node arguments are split and merged together, so an
-  object held by two of them (the same ``nnx.Rngs`` in the model and passed as
-  an argument) stays one object. The splitting, weighting and reduction are
-  :func:`accum_jax.value_and_grad`'s, which this calls with the graph nodes'
-  differentiated variables as ``argnums`` and their other state, gathered into
-  one pytree, as ``state_argnums``.
-
-  Argument numbers, here and in errors, are those of ``fun``. Keyword arguments
-  that ``fun`` can take by position count as positional (as in
-  ``nnx.value_and_grad``); keyword-only ones reach ``fun`` unsplit.
+  See the guide: :doc:`/guides/flax_nnx`.
 
   Args:
     fun: ``fun(*args)`` returning a scalar loss, or ``(loss, aux)`` with
-      ``has_aux``. It may update the state of its graph-node arguments, but not
-      add or remove variables (no ``sow``), as that state is a ``lax.scan``
-      carry.
+      ``has_aux``. It may update its graph nodes' state, not add variables.
     num_microbatches: the number of microbatches, an int >= 1 dividing the batch.
     argnums: which argument(s) to differentiate: graph nodes (their ``wrt``
       variables) or arrays. An int gives one gradient, a tuple a tuple.
-    wrt: the filter of the variables to differentiate in graph-node
-      ``argnums``, as for ``nnx.Optimizer(..., wrt=...)``; ``nnx.Param`` by default.
+    wrt: the filter of the variables to differentiate; ``nnx.Param`` by default.
     has_aux: ``fun`` returns ``(loss, aux)``.
-    batch_argnums: which arguments are batches, split along axis 0. By default
-      (None), every argument that is not in ``argnums`` or ``rng_argnums``,
-      holds no graph node, and whose leaves are all arrays with a leading axis,
-      so ``fun(model, rngs, batch)`` and ``fun(model, x, y)`` need none.
-    rng_argnums: arguments holding a raw PRNG key (``jax.random.key``) to fold
-      the microbatch index into. An ``nnx.Rngs`` needs none: its count advances.
+    batch_argnums: which arguments are batches, split along axis 0. None
+      (default): every other argument, holding no graph node, whose leaves are
+      arrays with a leading axis.
+    rng_argnums: arguments holding a raw PRNG key to fold the microbatch index
+      into. An ``nnx.Rngs`` needs none.
     **options: other options of :func:`accum_jax.value_and_grad`, such as
-      ``weight_fn``, ``aux_reduction`` (by default, per-example aux such as
-      logits comes back as ``(batch, ...)``, ready for ``nnx.metrics.Accuracy``),
-      ``accumulator_dtype``, ``return_info``.
+      ``weight_fn``, ``aux_reduction``, ``accumulator_dtype``, ``return_info``.
 
   Returns:
     A function of ``fun``'s arguments returning ``loss, grads`` (or ``(loss,
-    aux), grads``), as ``nnx.value_and_grad`` does: the gradient of a graph
-    node is an ``nnx.State`` of its ``wrt`` variables, ready for
-    ``nnx.Optimizer.update``; a :class:`accum_jax.MicrobatchInfo` third with
+    aux), grads``) as ``nnx.value_and_grad`` does, a graph node's gradient an
+    ``nnx.State``; a :class:`accum_jax.MicrobatchInfo` third with
     ``return_info=True``.
 
   Raises:
-    ValueError: at construction, for ``state_argnums`` in ``options`` (the
-      graph nodes fix it), malformed or overlapping argnums, an invalid
-      ``wrt`` filter, and the options :func:`accum_jax.value_and_grad` rejects;
-      when called, for argnums out of range, ``batch_argnums`` or
-      ``rng_argnums`` naming a graph node, no batch found, or a graph node
-      passed by keyword; otherwise as :func:`accum_jax.value_and_grad`.
+    ValueError: for ``state_argnums`` in ``options``, bad argnums or ``wrt``;
+      when called, for no batch found or a graph node passed by keyword;
+      otherwise as :func:`accum_jax.value_and_grad`.
 
   Examples:
     >>> import jax.numpy as jnp, optax, accum_jax.flax
