@@ -488,7 +488,13 @@ def grad(fun: Callable[..., Any], num_microbatches: int, **kwargs: Any) -> Calla
     [1.0, 1.0]
   """
   vg = value_and_grad(fun, num_microbatches, **kwargs)
-  has_aux, return_info = kwargs.get("has_aux", False), kwargs.get("return_info", False)
+  return grad_of(vg, fun, kwargs.get("has_aux", False), kwargs.get("return_info", False))
+
+
+def grad_of(
+    vg: Callable[..., Any], fun: Callable[..., Any], has_aux: bool, return_info: bool
+) -> Callable[..., Any]:
+  """``vg`` (a microbatched value_and_grad) returning what ``jax.grad`` would."""
 
   @functools.wraps(fun)
   def wrapped(*args, **kwargs):

@@ -373,12 +373,4 @@ def filter_grad(
         filter_grad, num_microbatches=num_microbatches, has_aux=has_aux, **options
     )
   vg = filter_value_and_grad(fun, num_microbatches, has_aux=has_aux, **options)
-  return_info = options.get("return_info", False)
-
-  @functools.wraps(fun)
-  def wrapped(*args, **kwargs):
-    out, grads, *info = vg(*args, **kwargs)
-    result = (grads, out[1]) if has_aux else grads
-    return (result, *info) if return_info else result
-
-  return wrapped
+  return _microbatch.grad_of(vg, fun, has_aux, options.get("return_info", False))

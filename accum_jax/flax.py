@@ -378,12 +378,4 @@ def nnx_grad(
       rng_argnums=rng_argnums,
       **options,
   )
-  return_info = options.get("return_info", False)
-
-  @functools.wraps(fun)
-  def wrapped(*args, **kwargs):
-    out, grads, *info = vg(*args, **kwargs)
-    result = (grads, out[1]) if has_aux else grads
-    return (result, *info) if return_info else result
-
-  return wrapped
+  return _microbatch.grad_of(vg, fun, has_aux, options.get("return_info", False))
