@@ -87,15 +87,20 @@ def argnums_tuple(argnums: Any, name: str) -> tuple[int, ...]:
   return tuple(int(n) for n in nums)
 
 
-def _check_roles(roles: dict[str, tuple[int, ...]]) -> None:
+def check_roles(roles: dict[str, tuple[int, ...]], fix: str = "") -> None:
+  """ValueError if two roles (keyed by how to name them, e.g. "argnums=(0,)") overlap."""
   names = list(roles)
   for i, a in enumerate(names):
     for b in names[i + 1:]:
       if both := set(roles[a]) & set(roles[b]):
         raise ValueError(
-            f"{a}={roles[a]} and {b}={roles[b]} both name argument(s) {sorted(both)}:"
-            " each argument has one role."
+            f"{a} and {b} both name argument(s) {sorted(both)}: each argument has one"
+            f" role.{fix}"
         )
+
+
+def _check_roles(roles: dict[str, tuple[int, ...]]) -> None:
+  check_roles({f"{name}={nums}": nums for name, nums in roles.items()})
 
 
 def make(

@@ -32,7 +32,6 @@ eqx.filter(model, eqx.is_array))`` and ``eqx.apply_updates`` work as they are.
 from __future__ import annotations
 
 import functools
-import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -40,7 +39,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from accum_jax import _microbatch
+from accum_jax import _microbatch, _options
 
 __all__ = ("filter_grad", "filter_value_and_grad")
 
@@ -93,16 +92,13 @@ def _argnums(value: int | Sequence[int] | None, name: str) -> tuple[int, ...] | 
   """``value`` as a tuple of argument numbers (None stays None: find them)."""
   if value is None:
     return None
-  nums = (value,) if isinstance(value, numbers.Integral) else tuple(value)  # type: ignore[arg-type]
-  for n in nums:
-    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
-      raise ValueError(f"{name}={value!r} must be a non-negative int or a tuple of them.")
+  nums = _options.argnums_tuple(value, name)
   if 0 in nums:
     raise ValueError(
         f"{name}={value!r} names argument 0, the model, which is differentiated. Name"
         " the arguments after it (the batch is usually argument 1)."
     )
-  return tuple(int(n) for n in nums)
+  return nums
 
 
 def _check_in_range(nums: tuple[int, ...] | None, name: str, num_args: int) -> None:
@@ -150,14 +146,7 @@ def _roles(
       f"rng_argnums={rng_nums}": rng_nums,
       "the eqx.nn.State argument": state_nums,
   }
-  names = list(roles)
-  for a_i, a in enumerate(names):
-    for b in names[a_i + 1:]:
-      if both := set(roles[a]) & set(roles[b]):
-        raise ValueError(
-            f"{a} and {b} both name argument(s) {sorted(both)}: each argument has one"
-            " role. Fix batch_argnums or rng_argnums."
-        )
+  _options.check_roles(roles, fix=" Fix batch_argnums or rng_argnums.")
   # A raw key, uint32[2], looks like a batch of two; say so rather than guess.
   sizes = {jnp.shape(leaf)[0] for i in batch_nums for leaf in jax.tree.leaves(parts[i][0])}
   for i in rng_nums:

@@ -34,7 +34,7 @@ import optax
 from flax import nnx
 from flax.training import train_state
 
-from accum_jax import _microbatch
+from accum_jax import _microbatch, _options
 
 TrainStateT = TypeVar("TrainStateT", bound=train_state.TrainState)
 
@@ -76,18 +76,6 @@ def apply_gradients(state: TrainStateT, *, grads: Any, **update_kwargs: Any) -> 
   # (or a subclass's) does besides calling tx.update.
   bound = optax.GradientTransformation(tx.init, functools.partial(tx.update, **update_kwargs))
   return state.replace(tx=bound).apply_gradients(grads=grads).replace(tx=tx)
-
-
-def _argnum_tuple(value: Any, name: str) -> tuple[int, ...]:
-  """``value`` (an int or a sequence of ints) as a tuple, or a ValueError naming ``name``."""
-  nums = (value,) if isinstance(value, numbers.Integral) else value
-  try:
-    nums = tuple(nums)
-  except TypeError:
-    nums = (None,)
-  if any(isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0 for n in nums):
-    raise ValueError(f"{name}={value!r} must be a non-negative int or a tuple of them.")
-  return tuple(int(n) for n in nums)
 
 
 def _holds_graph_node(arg: Any) -> bool:
@@ -200,9 +188,11 @@ def nnx_value_and_grad(
         " through the microbatches already. Drop state_argnums, and hold the state"
         " in an nnx.Module or nnx.Variable passed as an argument."
     )
-  diff_nums = _argnum_tuple(argnums, "argnums")
-  batch_nums = None if batch_argnums is None else _argnum_tuple(batch_argnums, "batch_argnums")
-  rng_nums = () if rng_argnums is None else _argnum_tuple(rng_argnums, "rng_argnums")
+  diff_nums = _options.argnums_tuple(argnums, "argnums")
+  batch_nums = (
+      None if batch_argnums is None else _options.argnums_tuple(batch_argnums, "batch_argnums")
+  )
+  rng_nums = _options.argnums_tuple(rng_argnums, "rng_argnums")
   if not diff_nums:
     raise ValueError("argnums=() differentiates nothing: name at least one argument.")
   if batch_nums == ():
@@ -211,14 +201,7 @@ def nnx_value_and_grad(
         " batch_argnums=None to take every array argument with a leading axis."
     )
   roles = {"argnums": diff_nums, "batch_argnums": batch_nums or (), "rng_argnums": rng_nums}
-  names = list(roles)
-  for a_i, a in enumerate(names):
-    for b in names[a_i + 1 :]:
-      if both := set(roles[a]) & set(roles[b]):
-        raise ValueError(
-            f"{a}={roles[a]} and {b}={roles[b]} both name argument(s) {sorted(both)}:"
-            " each argument has one role."
-        )
+  _options.check_roles({f"{role}={nums}": nums for role, nums in roles.items()})
   try:
     wrt_predicate = nnx.filterlib.to_predicate(wrt)
   except (TypeError, ValueError) as e:
