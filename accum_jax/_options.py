@@ -218,7 +218,8 @@ def _check_keys(keys: Any, argnum: int) -> None:
     )
 
 
-def _looks_like_batch(arg: Any) -> bool:
+def looks_like_batch(arg: Any) -> bool:
+  """Every leaf an array with a leading (batch) axis, none a key: the batch_argnums=None test."""
   leaves = jax.tree.leaves(arg)
   return bool(leaves) and all(
       is_array(x) and jnp.ndim(x) >= 1 and not is_key(x) for x in leaves
@@ -231,7 +232,7 @@ def _find_batch(options: Options, args: tuple[Any, ...]) -> tuple[int, ...]:
     return options.batch_argnums
   taken = {*options.argnums, *options.rng_argnums, *options.state_argnums}
   found = tuple(
-      i for i, arg in enumerate(args) if i not in taken and _looks_like_batch(arg)
+      i for i, arg in enumerate(args) if i not in taken and looks_like_batch(arg)
   )
   if not found:
     raise ValueError(

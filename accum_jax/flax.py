@@ -29,7 +29,6 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, cast
 
 import jax
-import numpy as np
 import optax
 from flax import nnx
 from flax.training import train_state
@@ -82,22 +81,6 @@ def _holds_graph_node(arg: Any) -> bool:
   """Whether ``arg`` is, or is a pytree holding, an NNX graph node or Variable."""
   is_node = nnx.graph.is_graph_node
   return any(is_node(leaf) for leaf in jax.tree.leaves(arg, is_leaf=is_node))
-
-
-def _is_batch(arg: Any) -> bool:
-  """Whether every leaf of ``arg`` is an array with a leading (batch) axis, not a key.
-
-  The test :func:`accum_jax.value_and_grad` applies with ``batch_argnums=None``,
-  made here so that graph nodes are left out and errors count ``fun``'s arguments.
-  """
-  leaves = jax.tree.leaves(arg)
-  return bool(leaves) and all(
-      isinstance(leaf, jax.Array | np.ndarray | np.generic)
-      and leaf.ndim >= 1
-      and not jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
-      and not (leaf.dtype == np.uint32 and leaf.shape in ((2,), (4,)))  # a raw key
-      for leaf in leaves
-  )
 
 
 def _positional(fun: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -250,7 +233,9 @@ def nnx_value_and_grad(
       )
     if batch_nums is None:
       skip = {*diff_nums, *rng_nums, *node_nums}
-      batches = tuple(i for i, arg in enumerate(args) if i not in skip and _is_batch(arg))
+      batches = tuple(
+          i for i, arg in enumerate(args) if i not in skip and _options.looks_like_batch(arg)
+      )
       if not batches:
         raise ValueError(
             f"No argument of the {len(args)} given is a batch: batch_argnums=None takes"
