@@ -170,20 +170,80 @@ def init(tree: Any, accumulator_dtype: Any = jnp.float32) -> Accumulator:
   )
 
 
-def all_finite(tree: Any) -> jax.Array:
-  """True iff every leaf of ``tree`` is free of NaN and Inf; shape=().
+def leaf_finite(x: jax.Array) -> jax.Array:
+  """True iff ``x`` is free of NaN and Inf; shape=().
 
   ``sum(x * 0) == 0``: NaN and Inf times 0 are NaN, which every sum keeps, while
   finite values give exact zeros. One fused pass that writes nothing, where
   ``all(isfinite(x))`` makes XLA on CPU write a boolean array and reduce it: a
   third faster on large leaves.
   """
-  leaves = [jnp.sum(x * 0) == 0 for x in jax.tree.leaves(tree)]
+  return jnp.sum(x * 0) == 0
+
+
+def all_finite(tree: Any) -> jax.Array:
+  """True iff every leaf of ``tree`` is free of NaN and Inf; shape=()."""
+  leaves = [leaf_finite(x) for x in jax.tree.leaves(tree)]
   return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
 
 
 def _wide(dtype: Any) -> jnp.dtype:
   return jnp.promote_types(dtype, jnp.float32)
+
+
+class Admission(NamedTuple):
+  """What :func:`admit` decides about one pytree offered with a weight.
+
+  Attributes:
+    weight: the weight as a float32 scalar (1 where none was given).
+    keep: add it: a positive weight, and nothing refused it; bool scalar.
+    skipped: refuse it and count it (non-finite, or a negative or non-finite
+      weight, or ``accept`` False); bool scalar. A zero weight is neither kept
+      nor skipped: it counts as offered and adds nothing.
+  """
+
+  weight: jax.Array
+  keep: jax.Array
+  skipped: jax.Array
+
+
+def admit(
+    tree: Any,
+    weight: jax.typing.ArrayLike | None = None,
+    *,
+    skip_nonfinite: bool = True,
+    accept: jax.typing.ArrayLike = True,
+) -> Admission:
+  """Decides whether ``tree`` of weight ``weight`` is added, skipped or neither.
+
+  Args:
+    tree: the pytree offered (a gradient, or a loss and its gradient).
+    weight: a non-negative scalar; None counts as 1.
+    skip_nonfinite: refuse a ``tree`` holding NaN or Inf (one reduction per
+      leaf). When False, only ``accept`` and the weight are looked at.
+    accept: a further condition (a bool scalar); where False, ``tree`` is
+      skipped and counted like a non-finite one.
+
+  Returns:
+    An :class:`Admission`.
+  """
+  w = jnp.ones((), jnp.float32) if weight is None else jnp.asarray(weight, jnp.float32)
+  has_weight = w > 0
+  # A negative or non-finite weight is bad data, refused like a NaN gradient.
+  ok = jnp.asarray(accept, bool) & jnp.isfinite(w) & (w >= 0)
+  if skip_nonfinite:
+    # A zero weight counts for nothing, even where its tree is NaN.
+    ok = ok & (all_finite(tree) | ~has_weight)
+  return Admission(w, has_weight & ok, ~ok)
+
+
+def _counted(acc: Accumulator, admission: Admission, total: Any, weight: jax.Array) -> Accumulator:
+  return Accumulator(
+      total=total,
+      weight=weight,
+      count=acc.count + (~admission.skipped).astype(jnp.int32),
+      num_skipped=acc.num_skipped + admission.skipped.astype(jnp.int32),
+  )
 
 
 def add(
@@ -194,7 +254,7 @@ def add(
     skip_nonfinite: bool = True,
     accept: jax.typing.ArrayLike = True,
 ) -> tuple[Accumulator, jax.Array]:
-  """Adds ``weight * tree`` to ``acc``, unless it is non-finite.
+  """Adds ``weight * tree`` to ``acc``, unless it is non-finite (across calls).
 
   Args:
     acc: the accumulator.
@@ -209,14 +269,8 @@ def add(
   Returns:
     The new accumulator, and whether ``tree`` was added (a bool scalar).
   """
-  w = jnp.ones((), jnp.float32) if weight is None else jnp.asarray(weight, jnp.float32)
-  has_weight = w > 0
-  # A negative or non-finite weight is bad data, refused like a NaN gradient.
-  ok = jnp.asarray(accept, bool) & jnp.isfinite(w) & (w >= 0)
-  if skip_nonfinite:
-    ok = ok & (all_finite(tree) | ~has_weight)
-  keep = has_weight & ok
-  skipped = ~ok
+  admission = admit(tree, weight, skip_nonfinite=skip_nonfinite, accept=accept)
+  w, keep = admission.weight, admission.keep
   new_weight = acc.weight + jnp.where(keep, w, 0.0)
   # The new call's share of the window, for the running means of narrow leaves.
   share = w / jnp.where(new_weight > 0, new_weight, 1.0)
@@ -234,15 +288,77 @@ def add(
     # `where`, not a product with `keep`: 0 * NaN is NaN.
     return jnp.where(keep, new, total)
 
-  return (
-      Accumulator(
-          total=jax.tree.map(add_leaf, acc.total, tree),
-          weight=new_weight,
-          count=acc.count + (~skipped).astype(jnp.int32),
-          num_skipped=acc.num_skipped + skipped.astype(jnp.int32),
-      ),
-      keep,
-  )
+  total = jax.tree.map(add_leaf, acc.total, tree)
+  return _counted(acc, admission, total, new_weight), keep
+
+
+def masked(tree: Any, keep: jax.Array) -> Any:
+  """``tree`` where ``keep``, else zeros (not a product: ``0 * NaN`` is NaN)."""
+  return jax.tree.map(lambda x: jnp.where(keep, x, jnp.zeros((), x.dtype)), tree)
+
+
+def add_share(
+    acc: Accumulator, shares: Any, admission: Admission, batch_weight: jax.Array
+) -> Accumulator:
+  """Adds one microbatch's shares of the batch's mean (inside a step).
+
+  ``shares`` is the microbatch's contribution already scaled by its share of the
+  batch, ``weight / batch_weight`` (the loss was scaled before differentiation),
+  and already zero where the microbatch is not kept (:func:`masked`; a sum
+  across devices may hold other devices' kept shares). Wide leaves add it; a
+  narrow leaf holds the running mean of the kept microbatches' unscaled values,
+  ``mean + w / K * (x / share - mean)`` with ``K`` the kept weight so far, as
+  one convex combination that cannot overflow.
+
+  Args:
+    acc: the accumulator.
+    shares: a pytree with the structure of ``acc.total``.
+    admission: what :func:`admit` decided for this microbatch.
+    batch_weight: the weight of the whole batch, ``sum w_i`` over every
+      microbatch (of every device); float32 scalar.
+
+  Returns:
+    The new accumulator.
+  """
+  kept_weight = jnp.where(admission.keep, admission.weight, 0.0)
+  new_weight = acc.weight + kept_weight
+  safe = jnp.where(new_weight > 0, new_weight, 1.0)
+
+  def add_leaf(total, x):
+    if is_narrow(total.dtype):
+      mean = total.astype(jnp.float32)
+      new = mean * (1.0 - kept_weight / safe) + x.astype(jnp.float32) * (batch_weight / safe)
+      return new.astype(total.dtype)
+    return total + x.astype(total.dtype)
+
+  total = jax.tree.map(add_leaf, acc.total, shares)
+  return _counted(acc, admission, total, new_weight)
+
+
+def share_result(acc: Accumulator, like: Any, batch_weight: jax.Array) -> Any:
+  """The mean over the kept microbatches of an :func:`add_share` accumulator.
+
+  Wide leaves hold the sum of the kept shares, ``sum_kept w_i x_i / W``: times
+  ``W / sum_kept w_i`` (1 when nothing was skipped), the kept microbatches'
+  weighted mean. Narrow leaves already hold it. Zeros where nothing was kept.
+
+  Args:
+    acc: the accumulator (after any cross-device reduction).
+    like: a pytree (of arrays or shape-dtype structs) with the target dtypes.
+    batch_weight: as for :func:`add_share`.
+
+  Returns:
+    A pytree with the structure of ``acc.total`` and the dtypes of ``like``.
+  """
+  factor = jnp.where(acc.weight > 0, batch_weight / jnp.where(acc.weight > 0, acc.weight, 1.0),
+                     0.0)
+
+  def finish(total, x):
+    if is_narrow(total.dtype):
+      return total.astype(x.dtype)
+    return (total * factor.astype(total.dtype)).astype(x.dtype)
+
+  return jax.tree.map(finish, acc.total, like)
 
 
 def result(acc: Accumulator, like: Any, reduction: Reduction = "mean") -> Any:

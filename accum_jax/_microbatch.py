@@ -5,8 +5,9 @@
   options = _options.make(...)                    # once, when it is built
   call = _options.bind(options, args)             # per call: batch, sizes, mesh
   shapes = _trace_one(...)                        # one microbatch, abstractly
-  sums = _scan(...)                               # lax.scan: weighted sums
-         (or _sharding.data_parallel(_scan, ...)) # per device, one reduction
+  plan = _sharding.plan(...)                      # under a mesh: per leaf, where it is reduced
+  sums = _scan(...)                               # while_loop: each microbatch's share
+         (or _sharding.run(_scan, ...))           # per device, reduced as planned
   return _finalise(sums, ...)                     # normalise, cast, reduce aux
 """
 
@@ -119,8 +120,19 @@ def _checked(fun: Callable[..., Any], options: _options.Options) -> Callable[...
       _check_state(new_state, args[options.state_argnums[0]], options.state_argnums[0])
     return value, (new_state, aux)
 
-  diff = options.argnums[0] if options.single_argnum else options.argnums
-  return jax.value_and_grad(checked, argnums=diff, has_aux=True)
+  def scaled(share, *args, **kwargs):
+    # The microbatch's share of the batch's weight scales the loss before
+    # differentiation: its gradient (and every cotangent inside, which FP8
+    # scaling reads) is then at the whole batch's scale, and sums of shares,
+    # also across devices, are the batch's weighted mean.
+    value, aux = checked(*args, **kwargs)
+    # The unscaled value rides along, for its dtype and the finiteness check.
+    return value.astype(jnp.promote_types(value.dtype, jnp.float32)) * share, (value, aux)
+
+  diff = tuple(n + 1 for n in options.argnums)
+  grad_fun = jax.value_and_grad(scaled, argnums=diff[0] if options.single_argnum else diff,
+                                has_aux=True)
+  return grad_fun
 
 
 def _fold_in(key: jax.Array, index: jax.Array, shard_index: jax.Array | None) -> jax.Array:
@@ -137,32 +149,50 @@ def _fold_in(key: jax.Array, index: jax.Array, shard_index: jax.Array | None) ->
 class _Out(NamedTuple):
   """What one microbatch gives."""
 
-  value: jax.Array
-  grads: Any
+  value: jax.Array  # the loss times the microbatch's share of the batch, float32 at least
+  raw_value: jax.Array  # the loss as fun returned it
+  grads: Any  # of the scaled loss, w.r.t. the parameters as fun saw them
   state: Any  # the new state, None without state_argnums
   aux: Any
-  weight: jax.Array | None
 
 
-def _one_microbatch(grad_fun, options, call, args, kwargs, index, mb, state, shard_index) -> _Out:
-  """Value, gradient, new state, aux and weight of microbatch ``index``."""
-  call_args = list(args)
-  for n in call.batch_argnums:
+class _Device(NamedTuple):
+  """What every microbatch of one device's loop needs."""
+
+  grad_fun: Callable[..., Any]
+  options: _options.Options
+  call: _options.Call
+  shapes: Any  # _Shapes (None while they are traced)
+  plan: _sharding.Plan | None
+  args: tuple[Any, ...]
+  kwargs: dict[str, Any]
+  shard_index: jax.Array | None
+  batch_weight: Any  # the whole batch's weight (every device's), float32, > 0
+  gathered: Any  # the parameters gathered before the loop (gather="once"), or None
+
+
+def diff_args(options: _options.Options, args: Sequence[Any]) -> Any:
+  """The differentiated arguments, structured as their gradient is."""
+  if options.single_argnum:
+    return args[options.argnums[0]]
+  return tuple(args[n] for n in options.argnums)
+
+
+def _one_microbatch(dev: _Device, index, mb, state, share, params) -> _Out:
+  """Value, gradient, new state and aux of microbatch ``index``, its loss scaled by ``share``."""
+  options = dev.options
+  call_args = list(dev.args)
+  for n in dev.call.batch_argnums:
     call_args[n] = mb[n]
   for n in options.rng_argnums:
-    call_args[n] = jax.tree.map(lambda key: _fold_in(key, index, shard_index), args[n])
+    call_args[n] = jax.tree.map(lambda key: _fold_in(key, index, dev.shard_index), dev.args[n])
   if options.state_argnums:
     call_args[options.state_argnums[0]] = state
-  (value, (new_state, aux)), grads = grad_fun(*call_args, **kwargs)
-  weight = None
-  if options.weight_fn is not None:
-    weight = options.weight_fn(*(mb[n] for n in call.batch_argnums))
-    if jnp.ndim(weight) != 0:
-      raise ValueError(
-          f"weight_fn must return a scalar weight per microbatch, got shape"
-          f" {jnp.shape(weight)}. Reduce it, e.g. lambda batch: batch['mask'].sum()."
-      )
-  return _Out(value, grads, new_state, aux, weight)
+  flat = [params] if options.single_argnum else params
+  for n, p in zip(options.argnums, flat):
+    call_args[n] = p
+  (value, (raw_value, (new_state, aux))), grads = dev.grad_fun(share, *call_args, **dev.kwargs)
+  return _Out(value, raw_value, grads, new_state, aux)
 
 
 def _aux_reductions(aux: Any, requested: AuxReduction | None, rows: int) -> tuple[str, ...]:
@@ -182,17 +212,31 @@ def _aux_reductions(aux: Any, requested: AuxReduction | None, rows: int) -> tupl
   return tuple(reductions)
 
 
-def _trace_one(grad_fun, options, call, args, kwargs) -> _Shapes:
+def _abstract(x: Any, dtype: Any = None) -> jax.ShapeDtypeStruct:
+  return jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x) if dtype is None else dtype)
+
+
+def _trace_one(grad_fun, options, call, plan, args, kwargs) -> _Shapes:
   """The abstract outputs of one microbatch (a trace, no compile)."""
   mb = {
       n: jax.tree.map(lambda x: jax.ShapeDtypeStruct((call.rows, *x.shape[1:]), x.dtype), args[n])
       for n in call.batch_argnums
   }
   state = args[options.state_argnums[0]] if options.state_argnums else None
-  one = functools.partial(_one_microbatch, grad_fun, options, call, args, kwargs)
-  out = jax.eval_shape(lambda i, mb, state: one(i, mb, state, None), 0, mb, state)
+  params = diff_args(options, args)
+  # The parameters as fun sees them: full-size, in the dtype they are gathered in.
+  seen = params if plan is None else jax.tree.map(
+      lambda x, leaf: _abstract(x, plan.gather_dtype if leaf.gathers else None),
+      params, jax.tree.unflatten(jax.tree.structure(params), plan.leaves),
+  )
+  dev = _Device(grad_fun, options, call, None, plan, args, kwargs, None, None, None)
+  out = jax.eval_shape(
+      lambda i, mb, state, p: _one_microbatch(dev, i, mb, state, jnp.float32(1.0), p),
+      0, mb, state, seen,
+  )
   reductions = _aux_reductions(out.aux, options.aux_reduction, call.rows)
-  return _Shapes(out.value, out.grads, out.aux, reductions)
+  # Gradients come back in the parameters' own shapes and dtypes.
+  return _Shapes(out.raw_value, jax.tree.map(_abstract, params), out.aux, reductions)
 
 
 def _aux_sum_dtype(dtype: Any, reduction: str) -> Any:
@@ -210,95 +254,244 @@ def _aux_add(total: jax.Array, x: jax.Array, reduction: str, weight, kept) -> ja
   return total + jnp.where(kept, x, jnp.zeros_like(x))
 
 
-def _scan(grad_fun, options, call, shapes, args, shard_index, *, kwargs) -> _sharding.LocalSums:
-  """Scans this device's microbatches; returns the un-normalised sums.
+def _weights(options, call, batch) -> jax.Array | None:
+  """This device's microbatch weights, shape (N,); None without ``weight_fn``.
+
+  Computed before the loop from the batch alone, so that every microbatch's
+  share of the whole batch is known when its loss is differentiated.
+  """
+  if options.weight_fn is None:
+    return None
+  weights = jax.vmap(options.weight_fn)(*(batch[n] for n in call.batch_argnums))
+  if jnp.ndim(weights) != 1:
+    raise ValueError(
+        f"weight_fn must return a scalar weight per microbatch, got shape"
+        f" {jnp.shape(weights)[1:]}. Reduce it, e.g. lambda batch: batch['mask'].sum()."
+    )
+  return weights.astype(jnp.float32)
+
+
+def _batch_weight(weights, options, plan) -> jax.Array:
+  """The weight of the whole batch, every device's microbatches; > 0 (1 when 0)."""
+  if weights is None:  # every microbatch of every device weighs 1
+    shards = 1 if plan is None else plan.num_shards
+    return jnp.float32(options.num_microbatches * shards)
+  # Negative and non-finite weights are skipped: they count for nothing.
+  total = jnp.sum(jnp.where(jnp.isfinite(weights) & (weights >= 0), weights, 0.0))
+  if plan is not None:
+    total = jax.lax.psum(total, plan.axes)
+  return jnp.where(total > 0, total, 1.0)
+
+
+def _scan(grad_fun, options, call, shapes, plan, args, shard_index, *, kwargs):
+  """Loops over this device's microbatches; returns the un-normalised sums.
 
   With ``skip_nonfinite``, each microbatch is judged by its loss alone (a
   scalar), not by a pass over every gradient leaf: on a model of many small
   leaves those passes cost more than the arithmetic. A gradient can hold NaN or
   Inf where its loss does not; then the sums are not finite, and only then does
-  :func:`_recheck` run the loop again judging every gradient.
+  the loop go on for N more iterations that redo the microbatches judging every
+  gradient (see :func:`_loop`).
   """
-  def step(check):
-    fn = functools.partial(
-        _step, grad_fun, options, call, shapes, args, shard_index, kwargs, check=check
-    )
-    return jax.named_call(fn, name="accum_jax_microbatch")
-
   split = functools.partial(
       _batching.split, num_microbatches=options.num_microbatches, how=options.split
   )
   batch = {n: jax.tree.map(split, args[n]) for n in call.batch_argnums}
-  start = _initial_carry(options, shapes, args)
-  xs = (jnp.arange(options.num_microbatches, dtype=jnp.int32), batch)
-  carry, stacked = jax.lax.scan(step("loss" if options.skip_nonfinite else "none"), start, xs)
-  if options.skip_nonfinite:
-    carry, stacked = _recheck(step("all"), start, carry, stacked, batch, options.num_microbatches)
-  acc, aux_sums, state, noise = carry
+  weights = _weights(options, call, batch)
+  params = diff_args(options, args)
+  gathered = _sharding.gather(plan, params) if plan and plan.gather == "once" else None
+  dev = _Device(grad_fun, options, call, shapes, plan, args, kwargs, shard_index,
+                _batch_weight(weights, options, plan), gathered)
+  start = _initial_carry(dev, params if gathered is None else gathered)
+  (acc, aux_sums, state, noise), stacked = _loop(dev, start, batch, weights)
   per_example = [
       _batching.unsplit(x, options.split) if r == "concat" else x
       for x, r in zip(stacked, shapes.reductions)
   ]
-  return _sharding.LocalSums(acc, aux_sums, state, per_example, noise)
+  return _sharding.LocalSums(acc, aux_sums, state, per_example, noise, dev.batch_weight)
 
 
-def _initial_carry(options, shapes, args) -> tuple[Any, ...]:
-  """Empty sums (accumulator, aux, gradient noise) and the state passed in."""
-  # Zeros made from the parameters themselves keep their sharding: sharded
-  # (FSDP-style) parameters get an accumulator sharded the same way.
-  params = tuple(args[n] for n in options.argnums)
-  params = params[0] if options.single_argnum else params
-  acc = _core.init((jnp.zeros((), shapes.value.dtype), params), options.accumulator_dtype)
+def _initial_carry(dev: _Device, params: Any) -> tuple[Any, ...]:
+  """Empty sums (accumulator, aux, gradient noise) and the state passed in.
+
+  The accumulator is shaped like ``params`` as this device holds them (a shard of
+  a sharded parameter, unless it is gathered once), and made from them to keep
+  their sharding over the other mesh axes.
+  """
+  options, shapes = dev.options, dev.shapes
+  value = jnp.zeros((), jnp.promote_types(shapes.value.dtype, jnp.float32))
+  acc = _core.init((value, params), options.accumulator_dtype)
   aux_sums = [
       jnp.zeros(x.shape, _aux_sum_dtype(x.dtype, r)) if r in ("mean", "sum") else None
       for x, r in zip(jax.tree.leaves(shapes.aux), shapes.reductions)
   ]
-  state = args[options.state_argnums[0]] if options.state_argnums else None
+  state = dev.args[options.state_argnums[0]] if options.state_argnums else None
   noise = _noise.zero_sums() if options.gradient_noise else None
   return acc, aux_sums, state, noise
 
 
-def _step(grad_fun, options, call, shapes, args, shard_index, kwargs, carry, xs, *, check):
-  """One microbatch into the sums; ``check``: what must be finite ("none", "loss", "all")."""
+def _restarted(carry: tuple[Any, ...], dev: _Device, restart: jax.Array) -> tuple[Any, ...]:
+  """The carry emptied where ``restart`` (the state back to the one passed in).
+
+  Selects against scalar zeros: XLA fuses them into the additions that follow,
+  so a restart costs no pass and no buffer.
+  """
   acc, aux_sums, state, noise = carry
-  index, mb = xs
-  out = _one_microbatch(grad_fun, options, call, args, kwargs, index, mb, state, shard_index)
-  acc, kept = _core.add(
-      acc, (out.value, out.grads), out.weight, skip_nonfinite=check == "all",
-      # A zero weight counts for nothing, even with a NaN loss.
-      accept=jnp.isfinite(out.value) | (out.weight == 0) if check == "loss" else True,
+
+  def zero(x):
+    return None if x is None else jnp.where(restart, jnp.zeros((), x.dtype), x)
+
+  acc = jax.tree.map(zero, acc)
+  if dev.options.state_argnums:
+    first = dev.args[dev.options.state_argnums[0]]
+    state = jax.tree.map(lambda s, s0: jnp.where(restart, s0, s), state, first)
+  return acc, [zero(x) for x in aux_sums], state, jax.tree.map(zero, noise)
+
+
+def _by_loss(options, out: _Out, weight, known_bad) -> jax.Array:
+  """Whether a microbatch is acceptable by its loss (and what an earlier pass
+  found), before any pass over its gradient: known early, so that it can zero
+  the gradient before anything crosses devices."""
+  if not options.skip_nonfinite:
+    return jnp.array(True)
+  # A zero weight counts for nothing, even with a NaN loss.
+  zero = False if weight is None else weight == 0
+  return (jnp.isfinite(out.raw_value) | zero) & ~known_bad
+
+
+def _finite(tree: Any, identify: jax.Array) -> jax.Array:
+  """On the identifying pass, whether every leaf of ``tree`` is finite.
+
+  One conditional per leaf, each reading its own leaf: the leaves need not all
+  be alive at once (a check of the whole tree would hold every gradient leaf
+  until the last is computed), and the other passes skip the reductions.
+  """
+  def leaf(x):
+    return jax.lax.cond(identify, _core.leaf_finite, lambda x: jnp.array(True), x)
+
+  flags = [leaf(x) for x in jax.tree.leaves(tree)]
+  return jnp.all(jnp.stack(flags)) if flags else jnp.array(True)
+
+
+def _agreed(dev: _Device, *flags: jax.Array) -> tuple[jax.Array, ...]:
+  """``flags`` agreed over the data axes where gradients are reduce-scattered per
+  microbatch (a shard holds every device's share: all keep it or none does);
+  one all-reduce of a few scalars. As they are elsewhere."""
+  if dev.plan is None or not dev.plan.scatters_per_microbatch or not dev.options.skip_nonfinite:
+    return flags
+  agreed = jax.lax.pmin(jnp.stack([f.astype(jnp.int32) for f in flags]), dev.plan.axes) > 0
+  return tuple(agreed)
+
+
+def _step(dev: _Device, carry, xs, *, identify, restart):
+  """One microbatch into the sums: its loss scaled by its share of the batch,
+  reduced across devices where the plan says so, added where it is kept.
+
+  Also returns whether its gradient is finite (on the identifying pass only).
+  """
+  options = dev.options
+  if restart is not None:
+    carry = _restarted(carry, dev, restart)
+  acc, aux_sums, state, noise = carry
+  index, mb, weight, known_bad = xs
+  params = dev.gathered
+  if params is None:
+    params = _sharding.gather(dev.plan, diff_args(options, dev.args))
+  share = (1.0 if weight is None else weight) / dev.batch_weight
+  out = _one_microbatch(dev, index, mb, state, share, params)
+  grads = out.grads
+  if weight is not None:
+    # A zero (or bad) weight adds nothing, not even to other devices' shards,
+    # whatever its gradient holds: padding never costs other rows. A select
+    # before the reduction, on this device.
+    counts = jnp.isfinite(weight) & (weight > 0)
+    grads = _sharding.map_scattered(dev.plan, grads, lambda g: _core.masked(g, counts))
+  grads = _sharding.scatter(dev.plan, grads, acc.total[1])
+  loss_ok = _by_loss(options, out, weight, known_bad)
+  finite = _finite((out.value, grads), identify) if options.skip_nonfinite else jnp.array(True)
+  loss_ok, finite = _agreed(dev, loss_ok, finite)
+  admission = _core.admit(None, weight, skip_nonfinite=False, accept=loss_ok)
+  if options.gradient_noise:  # without weight_fn, a microbatch weighs its rows
+    size = dev.call.rows if weight is None else weight
+    noise = _noise.add(noise, out.grads, size, admission.keep, scale=share)
+  # Selects, which XLA fuses into the additions: a shard reduced per microbatch
+  # is dropped where the devices agree to skip; what stays local, where this
+  # device's microbatch is not kept.
+  value = _core.masked(out.value, admission.keep)
+  grads = _sharding.map_scattered(
+      dev.plan, grads, lambda g: _core.masked(g, loss_ok), lambda g: _core.masked(g, admission.keep)
   )
+  acc = _core.add_share(acc, (value, grads), admission, dev.batch_weight)
   aux = jax.tree.leaves(out.aux)
+  kept = admission.keep
   aux_sums = [
-      None if total is None else _aux_add(total, x, r, out.weight, kept)
-      for total, x, r in zip(aux_sums, aux, shapes.reductions)
+      None if total is None else _aux_add(total, x, r, weight, kept)
+      for total, x, r in zip(aux_sums, aux, dev.shapes.reductions)
   ]
-  per_example = [x if r in ("concat", "stack") else None for x, r in zip(aux, shapes.reductions)]
+  per_example = [
+      x if r in ("concat", "stack") else None for x, r in zip(aux, dev.shapes.reductions)
+  ]
   if options.state_argnums:
     state = jax.tree.map(lambda new, old: jnp.where(kept, new, old), out.state, state)
-  if options.gradient_noise:  # without weight_fn, a microbatch weighs its rows
-    size = call.rows if out.weight is None else out.weight
-    noise = _noise.add(noise, out.grads, size, kept)
-  return (acc, aux_sums, state, noise), per_example
+  return (acc, aux_sums, state, noise), per_example, finite
 
 
-def _recheck(step, start, carry, stacked, batch, num_microbatches):
-  """The loop again, judging every gradient leaf, when the sums are not finite.
+def _sums_not_finite(dev: _Device, acc: _core.Accumulator) -> jax.Array:
+  """Whether the sums hold NaN or Inf. Where devices reduce inside the loop they
+  must all loop alike, so the answer is agreed over the data axes."""
+  bad = ~_core.all_finite(acc.total)
+  if dev.plan is not None and dev.plan.scatters_per_microbatch:
+    bad = jax.lax.pmax(bad.astype(jnp.int32), dev.plan.axes) > 0
+  return bad
 
-  A ``fori_loop`` of N iterations then, and of none otherwise, whose carry
-  starts in the first loop's buffers (reset where it reruns): no memory beyond
-  the first loop's, and one pass over the sums when all is finite.
+
+def _loop(dev: _Device, start, batch, weights):
+  """The microbatches in one ``while_loop``; twice more where the sums are not finite.
+
+  Pass 0 (iterations ``0..N-1``) judges each microbatch by its loss alone. With
+  ``skip_nonfinite``, if the sums are then not finite (a gradient that is NaN or
+  Inf under a finite loss), pass 1 finds which microbatches' gradients are not
+  finite, on each device, and pass 2 starts from empty sums and adds the others.
+  One loop body: the program, its collectives and its buffers are those of one
+  pass, and the passes that rarely run cost nothing when they do not.
   """
-  rerun = ~_core.all_finite(carry[0].total)
-  carry = jax.tree.map(lambda fresh, old: jnp.where(rerun, fresh, old), start, carry)
+  n = dev.options.num_microbatches
+  rerun = dev.options.skip_nonfinite
+  step = jax.named_call(functools.partial(_step, dev), name="accum_jax_microbatch")
 
-  def body(i, loop_carry):
-    carry, stacked = loop_carry
-    carry, per_example = step(carry, (i, jax.tree.map(lambda x: jnp.asarray(x)[i], batch)))
-    stacked = [s if s is None else s.at[i].set(x) for s, x in zip(stacked, per_example)]
-    return carry, stacked
+  def body(loop):
+    i, carry, stacked, bad = loop
+    j = i % n
+    mb = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, j, keepdims=False), batch)
+    weight = None if weights is None else weights[j]
+    identify = (i >= n) & (i < 2 * n)
+    carry, per_example, finite = step(
+        carry, (j, mb, weight, bad[j]), identify=identify,
+        restart=(i == 2 * n) if rerun else None,
+    )
+    bad = bad.at[j].set(jnp.where(identify, ~finite, bad[j]))
+    stacked = [
+        s if s is None else jax.lax.dynamic_update_index_in_dim(s, x, j, 0)
+        for s, x in zip(stacked, per_example)
+    ]
+    return i + 1, carry, stacked, bad
 
-  return jax.lax.fori_loop(0, jnp.where(rerun, num_microbatches, 0), body, (carry, stacked))
+  def cond(loop):
+    i, carry, _, _ = loop
+    if not rerun:
+      return i < n
+    again = jax.lax.cond(
+        i == n, lambda acc: _sums_not_finite(dev, acc), lambda acc: jnp.array(False), carry[0]
+    )
+    return (i < n) | again | ((i > n) & (i < 3 * n))
+
+  stacked = [
+      jnp.zeros((n, *x.shape), x.dtype) if r in ("concat", "stack") else None
+      for x, r in zip(jax.tree.leaves(dev.shapes.aux), dev.shapes.reductions)
+  ]
+  loop = (jnp.int32(0), start, stacked, jnp.zeros((n,), bool))
+  _, carry, stacked, _ = jax.lax.while_loop(cond, body, loop)
+  return carry, stacked
 
 
 def _drop_padding(x: jax.Array, call: _options.Call) -> jax.Array:
@@ -324,7 +517,7 @@ def _aux_result(total, per_example, like, reduction, weight, call) -> jax.Array:
 def _finalise(sums: _sharding.LocalSums, shapes: _Shapes, options, call) -> Any:
   """Normalises the sums into what ``jax.value_and_grad`` returns."""
   acc = sums.acc
-  value, grads = _core.result(acc, (shapes.value, shapes.grads), "mean")
+  value, grads = _core.share_result(acc, (shapes.value, shapes.grads), sums.batch_weight)
   # Every microbatch skipped: NaN, as on the whole batch, rather than a loss of
   # 0 that hides it (accumulate, apply_if_finite... then skip the step too).
   nothing_kept = (acc.weight == 0) & (acc.num_skipped > 0)
@@ -354,7 +547,7 @@ def _noise_estimate(sums: _sharding.LocalSums, shapes: _Shapes) -> _noise.Gradie
       lambda x: jax.ShapeDtypeStruct(x.shape, jnp.promote_types(x.dtype, jnp.float32)),
       (shapes.value, shapes.grads),
   )
-  _, mean_grads = _core.result(sums.acc, wide, "mean")
+  _, mean_grads = _core.share_result(sums.acc, wide, sums.batch_weight)
   return _noise.estimate(sums.noise, mean_grads)
 
 
@@ -374,14 +567,18 @@ def value_and_grad(
     accumulator_dtype: Any = jnp.float32,
     skip_nonfinite: bool | None = None,
     mesh: jax.sharding.Mesh | None = None,
-    data_axis: str | None = None,
+    data_axis: str | Sequence[str] | None = None,
+    param_sharding: Any = None,
+    gather: _sharding.Gather = "per_microbatch",
+    gather_dtype: Any = None,
+    reduce_dtype: Any = None,
     return_info: bool = False,
     gradient_noise: bool = False,
 ) -> Callable[..., Any]:
   """``jax.value_and_grad`` over a batch split into microbatches.
 
   The batch arguments are split along axis 0 into ``num_microbatches`` parts and
-  a ``jax.lax.scan`` takes the value and gradient of ``fun`` on each in turn, so
+  a loop takes the value and gradient of ``fun`` on each in turn, so
   one microbatch's activations are alive at a time. The result is the weighted
   mean over the microbatches, the full batch's mean.
 
@@ -414,10 +611,25 @@ def value_and_grad(
     skip_nonfinite: skip, and count, a microbatch whose loss or gradient is
       not finite. None (default) means True, but must be given when a dynamic
       loss scale is among the arguments.
-    mesh: a ``jax.sharding.Mesh`` to run data-parallel on, with one gradient
-      reduction per call. None: the ``jax.set_mesh`` mesh when ``data_axis`` is
-      given, else no mesh.
-    data_axis: the mesh axis the batch is sharded over.
+    mesh: a ``jax.sharding.Mesh`` to run on: each device loops over its rows
+      of the batch, and each gradient leaf is reduced as its parameter's
+      sharding says (replicated: once per call; sharded over the data axis:
+      into a shard of the accumulator). None: the ``jax.set_mesh`` mesh when
+      ``data_axis`` is given, else no mesh.
+    data_axis: the mesh axis (or a tuple of axes, e.g. ``("replica",
+      "fsdp")`` for HSDP) the batch is sharded over.
+    param_sharding: the differentiated arguments' shardings (a
+      ``NamedSharding`` or ``PartitionSpec``, or a pytree prefix of them).
+      None: read from each parameter, which works for explicit mesh axes and
+      for eager calls; under ``jax.jit`` with automatic axes a parameter with
+      none given counts as replicated.
+    gather: for parameters sharded over a data axis: ``"per_microbatch"``
+      (FSDP: the gradient is reduce-scattered into a sharded accumulator every
+      microbatch) or ``"once"`` (gathered before the loop, a full-size local
+      sum, one reduce-scatter after it).
+    gather_dtype: the dtype sharded parameters are gathered in, and ``fun``
+      sees them in (e.g. ``jnp.bfloat16``); None keeps theirs.
+    reduce_dtype: the dtype gradients cross devices in; None keeps theirs.
     return_info: also return a :class:`MicrobatchInfo`.
     gradient_noise: estimate the gradient noise from the microbatches, as
       ``info.gradient_noise``. Needs ``return_info``.
@@ -448,7 +660,9 @@ def value_and_grad(
       weight_fn=weight_fn, rng_argnums=rng_argnums, state_argnums=state_argnums,
       aux_reduction=aux_reduction, split=split, pad_batch=pad_batch,
       accumulator_dtype=accumulator_dtype, skip_nonfinite=skip_nonfinite, mesh=mesh,
-      data_axis=data_axis, return_info=return_info, gradient_noise=gradient_noise,
+      data_axis=data_axis, param_sharding=param_sharding, gather=gather,
+      gather_dtype=gather_dtype, reduce_dtype=reduce_dtype, return_info=return_info,
+      gradient_noise=gradient_noise,
   )
   grad_fun = _checked(fun, options)
 
@@ -460,14 +674,21 @@ def value_and_grad(
           _batching.pad(arg, call.padding) if n in call.batch_argnums else arg
           for n, arg in enumerate(args)
       )
-    shapes = _trace_one(grad_fun, options, call, args, kwargs)
-    scan = functools.partial(_scan, grad_fun, options, call, shapes, kwargs=kwargs)
-    if call.mesh is None:
+    plan = None
+    if call.mesh is not None:
+      plan = _sharding.plan(
+          call.mesh, call.data_axes, diff_args(options, args),
+          param_sharding=options.param_sharding, gather=options.gather,
+          gather_dtype=options.gather_dtype, reduce_dtype=options.reduce_dtype,
+      )
+      _options.check_plan(options, plan, diff_args(options, args))
+    shapes = _trace_one(grad_fun, options, call, plan, args, kwargs)
+    scan = functools.partial(_scan, grad_fun, options, call, shapes, plan, kwargs=kwargs)
+    if plan is None:
       sums = scan(args, None)
     else:
-      sums = _sharding.data_parallel(
-          scan, args, batch_argnums=call.batch_argnums, mesh=call.mesh,
-          axis=str(call.data_axis),
+      sums = _sharding.run(
+          scan, args, batch_argnums=call.batch_argnums, param_argnums=options.argnums, plan=plan
       )
     return _finalise(sums, shapes, options, call)
 

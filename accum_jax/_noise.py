@@ -82,13 +82,21 @@ def zero_sums() -> NoiseSums:
                    jnp.zeros((), jnp.int32))
 
 
-def add(sums: NoiseSums, grads: Any, weight: jax.Array, kept: jax.Array) -> NoiseSums:
-  """Adds one small batch's mean gradient ``grads`` of weight ``weight`` if ``kept``."""
+def add(
+    sums: NoiseSums, grads: Any, weight: jax.Array, kept: jax.Array, scale: Any = 1.0
+) -> NoiseSums:
+  """Adds one small batch's mean gradient, ``grads / scale``, of weight ``weight`` if ``kept``.
+
+  ``scale``: the factor ``grads`` carries (the small batch's share of the whole
+  batch, when its loss was scaled before differentiation); positive where kept.
+  """
   weight = jnp.asarray(weight, jnp.float32)
   keep = kept & (weight > 0)
+  scale = jnp.asarray(scale, jnp.float32)
+  sq = squared_norm(grads) / jnp.where(keep, scale * scale, 1.0)
   # `where`, not a product with `keep`: a skipped batch's gradient may be NaN.
   return NoiseSums(
-      sums.weighted_sq + jnp.where(keep, weight * squared_norm(grads), 0.0),
+      sums.weighted_sq + jnp.where(keep, weight * sq, 0.0),
       sums.weight + jnp.where(keep, weight, 0.0),
       sums.count + keep.astype(jnp.int32),
   )

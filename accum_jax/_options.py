@@ -41,7 +41,11 @@ class Options(NamedTuple):
   skip_nonfinite: bool
   skip_nonfinite_given: bool  # False when skip_nonfinite is the default
   mesh: Any
-  data_axis: str | None
+  data_axis: Any  # str, tuple of str, or None
+  param_sharding: Any
+  gather: str
+  gather_dtype: Any
+  reduce_dtype: Any
   return_info: bool
   gradient_noise: bool
 
@@ -63,7 +67,7 @@ class Call(NamedTuple):
   batch_size: int  # before padding
   padding: int  # rows of zeros appended to reach a multiple of the parts
   mesh: Any  # None without data parallelism
-  data_axis: str | None
+  data_axes: tuple[str, ...]  # () without
   num_shards: int
   rows: int  # rows of one microbatch on one device
 
@@ -118,7 +122,11 @@ def make(
     accumulator_dtype: Any = jnp.float32,
     skip_nonfinite: bool | None = None,
     mesh: Any = None,
-    data_axis: str | None = None,
+    data_axis: Any = None,
+    param_sharding: Any = None,
+    gather: str = "per_microbatch",
+    gather_dtype: Any = None,
+    reduce_dtype: Any = None,
     return_info: bool = False,
     gradient_noise: bool = False,
 ) -> Options:
@@ -151,6 +159,9 @@ def make(
       accumulator_dtype=_core.canonicalize_accumulator_dtype(accumulator_dtype),
       skip_nonfinite=skip_nonfinite is None or bool(skip_nonfinite),
       skip_nonfinite_given=skip_nonfinite is not None, mesh=mesh, data_axis=data_axis,
+      param_sharding=param_sharding, gather=gather,
+      gather_dtype=_transport_dtype(gather_dtype, "gather_dtype"),
+      reduce_dtype=_transport_dtype(reduce_dtype, "reduce_dtype"),
       return_info=return_info, gradient_noise=bool(gradient_noise),
   )
   _check_roles(options.roles())
@@ -158,7 +169,64 @@ def make(
   return options
 
 
+def _transport_dtype(dtype: Any, name: str) -> Any:
+  """``gather_dtype`` / ``reduce_dtype``: None or a floating dtype."""
+  if dtype is None:
+    return None
+  try:
+    checked = jnp.dtype(dtype)
+  except TypeError:
+    checked = None
+  if checked is None or not jnp.issubdtype(checked, jnp.floating):
+    raise ValueError(
+        f"{name}={dtype!r} is not a floating dtype. Pass e.g. jnp.bfloat16 to halve the"
+        " bytes that cross devices, or None to keep the parameters' own."
+    )
+  return checked
+
+
+def _check_sharding_options(options: Options) -> None:
+  if options.gather not in _sharding.GATHERS:
+    raise ValueError(
+        f"gather={options.gather!r} is not one of {_sharding.GATHERS}: 'per_microbatch'"
+        " reduce-scatters each microbatch's gradient into a sharded accumulator (FSDP);"
+        " 'once' gathers the sharded parameters before the loop and reduce-scatters once"
+        " after it (a full-size accumulator, fewer collectives)."
+    )
+  given = [
+      f"{name}={value!r}" for name, value, default in (
+          ("param_sharding", options.param_sharding, None),
+          ("gather", options.gather, "per_microbatch"),
+          ("gather_dtype", options.gather_dtype, None),
+          ("reduce_dtype", options.reduce_dtype, None),
+      ) if value != default
+  ]
+  if given and not options.data_parallel:
+    raise ValueError(
+        f"{given[0]} says how gradients cross devices, but there is no mesh: pass"
+        " mesh= and data_axis= (or data_axis= under jax.set_mesh)."
+    )
+
+
+def check_plan(options: Options, plan: Any, params: Any) -> None:
+  """What a call's reduction plan cannot do with these options."""
+  narrow = any(
+      leaf.gathers
+      and _core.is_narrow(_core.accumulator_dtype_for(x.dtype, options.accumulator_dtype))
+      for x, leaf in zip(jax.tree.leaves(params), plan.leaves)
+  )
+  if narrow and plan.gather == "per_microbatch":
+    raise ValueError(
+        f"accumulator_dtype={options.accumulator_dtype} with parameters sharded over the"
+        f" data axes {plan.axes} and gather='per_microbatch': a narrow accumulator keeps"
+        " a running mean, which a reduce-scatter per microbatch cannot update. Keep the"
+        " float32 default (the accumulator is sharded: 4 bytes x parameters / devices),"
+        " or pass gather='once'."
+    )
+
+
 def _check_choices(options: Options) -> None:
+  _check_sharding_options(options)
   if options.aux_reduction is not None and options.aux_reduction not in AUX_REDUCTIONS:
     raise ValueError(
         f"aux_reduction={options.aux_reduction!r} is not one of {AUX_REDUCTIONS}: 'mean'"
@@ -300,12 +368,12 @@ def bind(options: Options, args: tuple[Any, ...], kwargs: dict[str, Any] | None 
   for n in options.rng_argnums:
     _check_keys(args[n], n)
   size = _batching.batch_size({n: args[n] for n in batch})
-  mesh, axis, num_shards = None, None, 1
+  mesh, axes, num_shards = None, (), 1
   if options.data_parallel:
-    mesh, axis = _sharding.resolve_mesh(options.mesh, options.data_axis)
-    num_shards = int(mesh.shape[axis])
+    mesh, axes = _sharding.resolve_mesh(options.mesh, options.data_axis)
+    num_shards = _sharding.num_shards(mesh, axes)
   padding = -size % (options.num_microbatches * num_shards)
   if padding and not options.pad_batch:
     _batching.check_divisible(size, options.num_microbatches, num_shards)
   rows = (size + padding) // (num_shards * options.num_microbatches)
-  return Call(batch, size, padding, mesh, axis, num_shards, rows)
+  return Call(batch, size, padding, mesh, axes, num_shards, rows)

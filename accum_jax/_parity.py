@@ -322,8 +322,8 @@ def check_parity(
   if not ok:
     num_shards = 1
     if options.get("mesh") is not None or options.get("data_axis") is not None:
-      mesh, axis = _sharding.resolve_mesh(options.get("mesh"), options.get("data_axis"))
-      num_shards = int(mesh.shape[axis])
+      mesh, axes = _sharding.resolve_mesh(options.get("mesh"), options.get("data_axis"))
+      num_shards = _sharding.num_shards(mesh, axes)
     hints = _diagnose(
         args=args,
         options=options,

@@ -1,16 +1,37 @@
-"""The data-parallel path: local accumulation, one reduction per call.
+"""Many devices: where each gradient leaf is reduced, decided once per call.
 
-Under ``jax.jit`` with a sharded batch, a plain ``lax.scan`` over microbatches
-reduces the gradient across devices inside the loop: N microbatches, N
-all-reduces. Here each device scans its own shard of the batch inside
-``jax.shard_map`` and keeps un-normalised local sums; the sums of all devices
-are added once, after the loop, and normalised by the global weight.
+Under ``mesh=``, each device scans its own rows of the batch inside
+``jax.shard_map`` (manual over the data axes only; tensor axes stay automatic).
+Per differentiated leaf, the parameter's sharding decides what crosses devices
+(a :class:`Plan`, made by :func:`plan`)::
+
+  replicated over the data axes (data parallel):
+      local float32 sums, one psum after the loop
+  sharded over a data axis (FSDP, ZeRO-3), gather="per_microbatch":
+      the shard gathered for fun (XLA hoists it out of the loop), each
+      microbatch's gradient reduce-scattered into a float32 accumulator of the
+      shard: 4 bytes x parameters / devices
+  sharded, gather="once" (ZeRO-1/2, PyTorch's no_sync):
+      gathered once before the loop, a full-size local sum, one reduce-scatter
+      after the loop
+  replicated over some data axes and sharded over others (HSDP):
+      the above over the sharded axes, one psum over the replica axes
+
+The result keeps each parameter's sharding. A microbatch's loss is scaled by its
+share of the whole batch's weight before differentiation, so a sum across
+devices is already the right weighted sum, and a skipped microbatch is zeroed on
+its own device before anything crosses devices.
+
+The sharding of a parameter is read from its type (explicit mesh axes), from
+the array itself (an eager call, the planner), or from ``param_sharding=``. Under
+``jax.jit`` with automatic axes the traced function cannot see its arguments'
+shardings: without ``param_sharding=`` such a parameter counts as replicated.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -20,9 +41,12 @@ from jax.sharding import PartitionSpec as P
 
 from accum_jax import _core
 
+Gather = Literal["per_microbatch", "once"]
+GATHERS: tuple[str, ...] = ("per_microbatch", "once")
 
-def resolve_mesh(mesh: Any, data_axis: str | None) -> tuple[Any, str]:
-  """The mesh to use (``mesh`` or the ambient one) and its data axis."""
+
+def resolve_mesh(mesh: Any, data_axis: Any) -> tuple[Any, tuple[str, ...]]:
+  """The mesh to use (``mesh`` or the ambient one) and its data axes."""
   if mesh is None:
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
@@ -35,25 +59,258 @@ def resolve_mesh(mesh: Any, data_axis: str | None) -> tuple[Any, str]:
     if len(names) != 1:
       raise ValueError(
           f"The mesh has axes {names}: pass data_axis= to name the one the batch is"
-          " sharded over."
+          " sharded over (a tuple for several, e.g. data_axis=('replica', 'fsdp') for HSDP)."
       )
-    data_axis = names[0]
-  if data_axis not in names:
-    raise ValueError(f"data_axis={data_axis!r} is not an axis of the mesh, whose axes are {names}.")
-  return mesh, data_axis
+    return mesh, names
+  axes = tuple(data_axis) if isinstance(data_axis, (tuple, list)) else (data_axis,)
+  for axis in axes:
+    if axis not in names:
+      which = "is not" if len(axes) == 1 else f"names {axis!r}, which is not"
+      raise ValueError(
+          f"data_axis={data_axis!r} {which} an axis of the mesh, whose axes are {names}."
+      )
+  if len(set(axes)) != len(axes) or not axes:
+    raise ValueError(f"data_axis={data_axis!r} must name distinct mesh axes, at least one.")
+  return mesh, axes
+
+
+def num_shards(mesh: Any, axes: Sequence[str]) -> int:
+  """The number of devices the batch is split over."""
+  return int(np.prod([mesh.shape[a] for a in axes]))
+
+
+class LeafPlan(NamedTuple):
+  """How one differentiated leaf crosses devices.
+
+  Attributes:
+    spec: its ``PartitionSpec`` over the data axes (the ``shard_map`` in and out
+      spec; other mesh axes stay automatic).
+    gathers: ``(dim, axes)`` pairs: the dimensions sharded over data axes, which
+      are gathered for ``fun`` and along which the gradient is reduce-scattered.
+    replicas: the data axes it is replicated over: its gradient is summed over
+      them once, after the loop.
+  """
+
+  spec: P
+  gathers: tuple[tuple[int, tuple[str, ...]], ...]
+  replicas: tuple[str, ...]
+
+
+class Plan(NamedTuple):
+  """Where each differentiated leaf is gathered and reduced; see the module docstring.
+
+  Attributes:
+    mesh: the mesh.
+    axes: the data axes (the batch is split over all of them).
+    leaves: a :class:`LeafPlan` per leaf of the differentiated arguments.
+    treedef: the tree structure of the differentiated arguments.
+    gather: ``"per_microbatch"`` or ``"once"``, for the sharded leaves.
+    gather_dtype: the dtype sharded leaves are gathered in, and ``fun`` sees
+      them in; None keeps theirs.
+    reduce_dtype: the dtype gradients cross devices in; None keeps theirs.
+  """
+
+  mesh: Any
+  axes: tuple[str, ...]
+  leaves: tuple[LeafPlan, ...]
+  treedef: Any
+  gather: str
+  gather_dtype: Any
+  reduce_dtype: Any
+
+  @property
+  def num_shards(self) -> int:
+    return num_shards(self.mesh, self.axes)
+
+  @property
+  def sharded(self) -> bool:
+    """Whether any leaf is sharded over a data axis."""
+    return any(leaf.gathers for leaf in self.leaves)
+
+  @property
+  def scatters_per_microbatch(self) -> bool:
+    return self.sharded and self.gather == "per_microbatch"
+
+
+def _spec_entries(entry: Any) -> tuple[str, ...]:
+  if entry is None:
+    return ()
+  return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
+
+
+def spec_of(x: Any, given: Any = None) -> P | None:
+  """The ``PartitionSpec`` of a parameter: ``given``, its type's, or the array's.
+
+  None where it cannot be known: a tracer under ``jax.jit`` with automatic axes.
+  """
+  if given is not None:
+    return given.spec if isinstance(given, NamedSharding) else given
+  sharding = getattr(x, "sharding", None)
+  if isinstance(x, jax.core.Tracer):
+    sharding = getattr(jax.typeof(x), "sharding", None)
+  if isinstance(sharding, NamedSharding):
+    return sharding.spec
+  return None
+
+
+def _leaf_plan(
+    shape: tuple[int, ...], spec: P | None, axes: tuple[str, ...], path: str
+) -> LeafPlan:
+  entries = list(spec or ()) + [None] * (len(shape) - len(spec or ()))
+  in_spec, gathers, used = [], [], set()
+  for dim, entry in enumerate(entries):
+    names = _spec_entries(entry)
+    data = tuple(a for a in names if a in axes)
+    if data and len(data) != len(names):
+      raise ValueError(
+          f"The parameter at {path or 'the root'} has sharding {spec}: dimension {dim} is"
+          f" split over data axes {data} and other axes together, which accum_jax cannot"
+          " gather. Shard each dimension over data axes alone or other axes alone."
+      )
+    in_spec.append((data[0] if len(data) == 1 else data) if data else None)
+    if data:
+      gathers.append((dim, data))
+      used.update(data)
+  return LeafPlan(P(*in_spec), tuple(gathers), tuple(a for a in axes if a not in used))
+
+
+def plan(
+    mesh: Any,
+    axes: tuple[str, ...],
+    params: Any,
+    *,
+    param_sharding: Any = None,
+    gather: str = "per_microbatch",
+    gather_dtype: Any = None,
+    reduce_dtype: Any = None,
+) -> Plan:
+  """The :class:`Plan` for ``params`` (the differentiated arguments) on ``mesh``.
+
+  Args:
+    mesh: the mesh.
+    axes: the data axes.
+    params: the differentiated arguments, arrays or tracers.
+    param_sharding: None, or a pytree prefix of ``params`` of ``NamedSharding``
+      or ``PartitionSpec`` (None leaves: read from the parameter).
+    gather: ``"per_microbatch"`` or ``"once"``.
+    gather_dtype: see :class:`Plan`.
+    reduce_dtype: see :class:`Plan`.
+
+  Returns:
+    The plan.
+  """
+  leaves, treedef = jax.tree.flatten(params)
+  given = _broadcast_prefix(param_sharding, params)
+  plans = []
+  for (path, x), spec in zip(jax.tree.leaves_with_path(params), given):
+    plans.append(
+        _leaf_plan(jnp.shape(x), spec_of(x, spec), axes, jax.tree_util.keystr(path))
+    )
+  return Plan(mesh, axes, tuple(plans), treedef, gather, gather_dtype, reduce_dtype)
+
+
+def _broadcast_prefix(prefix: Any, tree: Any) -> list[Any]:
+  """One entry of ``prefix`` (a pytree prefix of ``tree``) per leaf of ``tree``."""
+  num_leaves = len(jax.tree.leaves(tree))
+  if prefix is None:
+    return [None] * num_leaves
+
+  def is_spec(x):
+    return x is None or isinstance(x, (P, NamedSharding))
+
+  try:
+    out = jax.tree_util.tree_map(
+        lambda p, sub: [p] * len(jax.tree.leaves(sub)), prefix, tree, is_leaf=is_spec
+    )
+  except ValueError as e:
+    raise ValueError(
+        f"param_sharding must be a NamedSharding or PartitionSpec, or a pytree prefix of the"
+        f" differentiated argument(s) with those at its leaves (None: read from the"
+        f" parameter); it does not match them: {e}"
+    ) from e
+  flat = jax.tree.leaves(out, is_leaf=lambda x: isinstance(x, list))
+  return [spec for group in flat for spec in group]
+
+
+def _cast(x: jax.Array, dtype: Any) -> jax.Array:
+  return x if dtype is None else x.astype(dtype)
+
+
+def gather(plan: Plan | None, params: Any) -> Any:
+  """This device's shards of ``params`` gathered into the full parameters for ``fun``."""
+  if plan is None or not plan.sharded:
+    return params
+
+  def gather_leaf(x, leaf):
+    if not leaf.gathers:
+      return x
+    x = _cast(x, plan.gather_dtype)
+    for dim, axes in leaf.gathers:
+      x = jax.lax.all_gather(x, axes, axis=dim, tiled=True)
+    return x
+
+  return jax.tree.unflatten(
+      plan.treedef, [gather_leaf(x, p) for x, p in zip(jax.tree.leaves(params), plan.leaves)]
+  )
+
+
+def _scatter(x: jax.Array, leaf: LeafPlan, reduce_dtype: Any, dtype: Any) -> jax.Array:
+  x = _cast(x, reduce_dtype)
+  for dim, axes in reversed(leaf.gathers):
+    x = jax.lax.psum_scatter(x, axes, scatter_dimension=dim, tiled=True)
+  return x.astype(dtype)
+
+
+def scatter(plan: Plan | None, grads: Any, like: Any) -> Any:
+  """Per microbatch: full local gradients of sharded leaves reduce-scattered to shards.
+
+  ``like``: the accumulator's leaves, whose dtypes the results take. Other leaves
+  pass unchanged.
+  """
+  if plan is None or not plan.scatters_per_microbatch:
+    return grads
+  return jax.tree.unflatten(plan.treedef, [
+      _scatter(g, leaf, plan.reduce_dtype, t.dtype) if leaf.gathers else g
+      for g, leaf, t in zip(jax.tree.leaves(grads), plan.leaves, jax.tree.leaves(like))
+  ])
+
+
+def map_scattered(
+    plan: Plan | None, tree: Any, scattered: Callable[[Any], Any],
+    local: Callable[[Any], Any] = lambda x: x,
+) -> Any:
+  """``scattered`` on the leaves reduce-scattered per microbatch, ``local`` on the others."""
+  if plan is None or not plan.scatters_per_microbatch:
+    return jax.tree.map(local, tree)
+  leaves = [
+      scattered(x) if leaf.gathers else local(x)
+      for x, leaf in zip(jax.tree.leaves(tree), plan.leaves)
+  ]
+  return jax.tree.unflatten(jax.tree.structure(tree), leaves)
+
+
+def _reduce_leaf(x: jax.Array, leaf: LeafPlan, plan: Plan) -> jax.Array:
+  """After the loop: a leaf's local sum reduced as the plan says."""
+  if leaf.gathers and plan.gather == "once":
+    x = _scatter(x, leaf, plan.reduce_dtype, x.dtype)
+  if leaf.replicas:
+    x = jax.lax.psum(_cast(x, plan.reduce_dtype), leaf.replicas).astype(x.dtype)
+  return x
 
 
 class LocalSums(NamedTuple):
   """What one device's scan over its microbatches leaves, before normalisation.
 
   Attributes:
-    acc: the weighted sums of ``(value, grads)``, an ``_core.Accumulator``.
+    acc: the sums of ``(value, grads)``, an ``_core.Accumulator`` filled by
+      ``_core.add_share``.
     aux_sums: per aux leaf, its running sum, or None for a per-example leaf.
     state: the threaded state after the last microbatch (None without one).
     per_example: per aux leaf, its outputs in batch order (``"concat"``), or
       stacked by microbatch (``"stack"``), or None for a summed leaf.
     noise: the sums of the gradient-noise estimate, an ``_noise.NoiseSums``, or
       None without ``gradient_noise``.
+    batch_weight: the weight of the whole batch (every device's), float32.
   """
 
   acc: Any
@@ -61,81 +318,140 @@ class LocalSums(NamedTuple):
   state: Any
   per_example: Any  # likewise
   noise: Any = None
+  batch_weight: Any = None
+
+
+def _psum_exact(tree: Any, axes: tuple[str, ...]) -> Any:
+  """``psum`` of scalars and aux sums in one all-reduce: int32 counts travel as
+  float32 (exact below 2**24), where XLA would give them an all-reduce of their
+  own. Integer aux sums stay integers, exact."""
+  def is_count(x):
+    return x.dtype == jnp.int32
+  wide = jax.tree.map(lambda x: x.astype(jnp.float32) if is_count(x) else x, tree)
+  summed = jax.lax.psum(wide, axes)
+  return jax.tree.map(lambda s, x: s.astype(x.dtype) if is_count(x) else s, summed, tree)
+
+
+def reduce(plan: Plan, sums: LocalSums) -> LocalSums:
+  """The one cross-device reduction after the loop (inside ``shard_map``).
+
+  Gradient leaves as the plan says; the loss, weights, counts, aux sums and
+  noise sums added over every data axis; a threaded state averaged (as a
+  synchronised BatchNorm would). A narrow accumulator holds a running mean,
+  which ``_core.merge`` weighs by each device's kept weight.
+  """
+  acc = sums.acc
+  value, grads = acc.total
+  narrow = any(_core.is_narrow(x.dtype) for x in jax.tree.leaves(acc.total))
+  if narrow:
+    merged = _core.merge(acc._replace(total=(value, grads)), plan.axes)
+    value, grads = merged.total
+    scalars = (merged.weight, merged.count, merged.num_skipped)
+    noise, aux_sums = _psum_exact((sums.noise, sums.aux_sums), plan.axes)
+  else:
+    value, scalars, noise, aux_sums = _psum_exact(
+        (value, (acc.weight, acc.count, acc.num_skipped), sums.noise, sums.aux_sums), plan.axes
+    )
+    grads = jax.tree.unflatten(plan.treedef, [
+        _reduce_leaf(g, leaf, plan) for g, leaf in zip(jax.tree.leaves(grads), plan.leaves)
+    ])
+  state = jax.tree.map(
+      lambda s: jax.lax.pmean(s, plan.axes) if jnp.issubdtype(s.dtype, jnp.inexact) else s,
+      sums.state,
+  )
+  acc = _core.Accumulator((value, grads), *scalars)
+  return LocalSums(acc, aux_sums, state, sums.per_example, noise, sums.batch_weight)
 
 
 def _is_dynamic(x: Any) -> bool:
   return isinstance(x, (jax.Array, np.ndarray, np.generic))
 
 
-def _leaf_specs(args: tuple[Any, ...], batch_argnums: tuple[int, ...], axis: str) -> list[P]:
-  """Per leaf of ``args``: split over ``axis`` for a batch argument, else replicated."""
-  return [
-      P(axis) if i in batch_argnums else P()
-      for i, arg in enumerate(args)
-      for _ in jax.tree.leaves(arg)
-  ]
+def _arg_specs(
+    args: tuple[Any, ...], batch_argnums: tuple[int, ...], param_argnums: tuple[int, ...],
+    plan: Plan,
+) -> list[P]:
+  """Per leaf of ``args``: the batch split over the data axes, parameters as the
+  plan says, anything else replicated over the data axes."""
+  param_specs = iter(leaf.spec for leaf in plan.leaves)
+  specs = []
+  for i, arg in enumerate(args):
+    for _ in jax.tree.leaves(arg):
+      if i in batch_argnums:
+        specs.append(P(plan.axes))
+      elif i in param_argnums:
+        specs.append(next(param_specs))
+      else:
+        specs.append(P())
+  return specs
 
 
-def _psum(sums: Any, aux_sums: Any, axis: str) -> tuple[Any, Any]:
-  """``psum`` of both as one all-reduce: the int32 counts of ``sums`` travel as
-  float32 beside the gradients (exact below 2**24), where XLA would give them an
-  all-reduce of their own. Integer aux sums stay integers, exact."""
-  def is_count(x):
-    return x.dtype == jnp.int32
-  wide = jax.tree.map(lambda x: x.astype(jnp.float32) if is_count(x) else x, sums)
-  summed, aux_sums = jax.lax.psum((wide, aux_sums), axis)
-  return jax.tree.map(lambda s, x: s.astype(x.dtype) if is_count(x) else s, summed, sums), aux_sums
+def grad_specs(plan: Plan) -> Any:
+  """The out specs of the gradients: each leaf sharded as its parameter."""
+  return jax.tree.unflatten(plan.treedef, [leaf.spec for leaf in plan.leaves])
 
 
-def data_parallel(
+def run(
     local_sums: Callable[..., LocalSums],
     args: tuple[Any, ...],
     *,
     batch_argnums: tuple[int, ...],
-    mesh: Any,
-    axis: str,
+    param_argnums: tuple[int, ...],
+    plan: Plan,
 ) -> LocalSums:
-  """Runs ``local_sums`` on each device's shard of the batch; reduces once.
+  """Runs ``local_sums`` on each device's rows and shards; reduces once after.
 
-  Sums and counts are added over the devices, a threaded state is averaged (as a
-  synchronised BatchNorm would), and per-example outputs are concatenated in
-  device order, which is batch order. Non-array leaves of the arguments (an
-  Equinox module's functions, Python objects) do not enter ``shard_map``.
+  Per-example outputs are concatenated in device order, which is batch order.
+  Non-array leaves of the arguments (an Equinox module's functions, Python
+  objects) do not enter ``shard_map``.
   """
   leaves, treedef = jax.tree.flatten(args)
   dynamic = [x if _is_dynamic(x) else None for x in leaves]
-  in_specs = _leaf_specs(args, batch_argnums, axis)
+  in_specs = _arg_specs(args, batch_argnums, param_argnums, plan)
+  mesh = plan.mesh
   if any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
     # Under explicit sharding shard_map takes arguments only as its specs say.
     dynamic = [
-        None if x is None else jax.reshard(x, NamedSharding(mesh, spec))
+        None if x is None else jax.reshard(x, NamedSharding(mesh, _full_spec(x, spec, mesh)))
         for x, spec in zip(dynamic, in_specs)
     ]
 
   def per_device(dynamic_leaves):
     local = [d if d is not None else s for d, s in zip(dynamic_leaves, leaves)]
-    sums = local_sums(jax.tree.unflatten(treedef, local), jax.lax.axis_index(axis))
-    # The one cross-device reduction of the call. A narrow accumulator holds a
-    # running mean, which `_core.merge` weighs by each device's weight first.
-    # Each device's microbatch is a small batch of the noise estimate.
-    if any(_core.is_narrow(x.dtype) for x in jax.tree.leaves(sums.acc.total)):
-      acc = _core.merge(sums.acc, axis)
-      noise, aux_sums = _psum(sums.noise, sums.aux_sums, axis)
-    else:
-      (acc, noise), aux_sums = _psum((sums.acc, sums.noise), sums.aux_sums, axis)
-    state = jax.tree.map(
-        lambda s: jax.lax.pmean(s, axis) if jnp.issubdtype(s.dtype, jnp.inexact) else s,
-        sums.state,
-    )
-    return LocalSums(acc, aux_sums, state, sums.per_example, noise)
+    sums = local_sums(jax.tree.unflatten(treedef, local), jax.lax.axis_index(plan.axes))
+    return reduce(plan, sums)
 
-  out_specs = LocalSums(acc=P(), aux_sums=P(), state=P(), per_example=P(axis), noise=P())
+  grads = grad_specs(plan)
+  out_specs = LocalSums(
+      acc=_core.Accumulator((P(), grads), P(), P(), P()), aux_sums=P(), state=P(),
+      per_example=P(plan.axes), noise=P(), batch_weight=P(),
+  )
   # check_vma=False: the gradient of a replicated argument stays a per-device
-  # partial sum until the explicit psum above, instead of being all-reduced in
-  # every iteration of the scan. axis_names: only the data axis is manual, so
-  # parameters sharded over other mesh axes keep their sharding (and so do
-  # their gradients).
+  # partial sum until the explicit psum after the loop, instead of being
+  # all-reduced in every iteration of the scan. axis_names: only the data axes
+  # are manual, so parameters sharded over other mesh axes keep that sharding
+  # (and so do their gradients).
   return jax.shard_map(
       per_device, mesh=mesh, in_specs=(in_specs,), out_specs=out_specs, check_vma=False,
-      axis_names={axis},
+      axis_names=set(plan.axes),
   )(dynamic)
+
+
+def _full_spec(x: Any, spec: P, mesh: Any) -> P:
+  """``spec`` over the data axes, keeping the other (automatic or explicit) axes of
+  ``x``'s own sharding, for ``jax.reshard`` under explicit axes."""
+  own = spec_of(x) or P()
+  manual = set(mesh.axis_names) & {a for e in spec for a in _spec_entries(e)}
+  entries = []
+  ndim = jnp.ndim(x)
+  for dim in range(ndim):
+    mine = spec[dim] if dim < len(spec) else None
+    theirs = own[dim] if dim < len(own) else None
+    others = tuple(a for a in _spec_entries(theirs) if a not in manual and a not in spec_axes(spec))
+    names = _spec_entries(mine) + others
+    entries.append(None if not names else names[0] if len(names) == 1 else names)
+  return P(*entries)
+
+
+def spec_axes(spec: P) -> set[str]:
+  return {a for e in spec for a in _spec_entries(e)}

@@ -82,7 +82,9 @@ def test_a_biased_estimator_fails_the_same_check(monkeypatch, broken):
   """The tolerance above is tight enough to tell the estimator from its wrong twins."""
   real_add, real_estimate = _noise.add, _noise.estimate
   if broken == "ignore weights":
-    monkeypatch.setattr(_noise, "add", lambda s, g, w, k: real_add(s, g, jnp.float32(1), k))
+    monkeypatch.setattr(
+        _noise, "add", lambda s, g, w, k, **kw: real_add(s, g, jnp.float32(1), k, **kw)
+    )
   else:
     def uncorrected(sums, grads):
       noise = real_estimate(sums, grads)
