@@ -2,6 +2,7 @@
 
 from importlib import metadata as _metadata
 
+from accum_jax._cached import cached_value_and_grad
 from accum_jax._core import Accumulator
 from accum_jax._microbatch import MicrobatchInfo, grad, value_and_grad
 from accum_jax._multisteps import MultiSteps
@@ -44,6 +45,7 @@ __all__ = (
     "abstract_state",
     "abstract_tree",
     "accumulate",
+    "cached_value_and_grad",
     "check_parity",
     "every_k_schedule",
     "grad",

@@ -1,0 +1,467 @@
+"""Losses that couple the batch: ``cached_value_and_grad`` (gradient caching).
+
+A contrastive loss (CLIP, SigLIP, InfoNCE, any in-batch negatives) compares every
+example with all the others, so it is no mean over microbatches and
+:func:`accum_jax.value_and_grad` cannot split it. Gradient caching (Gao et al.
+2021) splits the towers instead: the loss is taken once, on the whole batch's
+embeddings, and only the embedding is done chunk by chunk::
+
+  options = _options.make(...)                  # once, when it is built
+  call = _bind(options, args)                   # per call: batch, sizes, mesh
+  embeddings = _embed(...)                      # pass 1: lax.scan, forward only
+  loss, aux, direct, cotangents = _loss(...)    # d loss / d embeddings, whole batch
+  acc = _pull_back(...)                         # pass 2: lax.scan of jax.vjp, summed
+  return _finalise(...)                         # + direct gradient, cast, finite check
+
+Under a mesh the same steps run per device inside ``jax.shard_map``
+(:func:`_data_parallel`): each device embeds its rows, the embeddings are
+all-gathered for the loss, each device pulls back its own rows' cotangents, and
+the gradient sums are all-reduced once, after both loops.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from accum_jax import _batching, _core, _options
+from accum_jax._microbatch import MicrobatchInfo, _fold_in
+
+# Options of value_and_grad that have no meaning here, and what to do instead.
+_REFUSED = {
+    "weight_fn": (
+        "the loss is computed once, on the whole batch, so there are no microbatch"
+        " means to weigh. Weigh the examples inside loss_fn (e.g. with a mask in the"
+        " batch), which then is exact as it stands."
+    ),
+    "state_argnums": (
+        "a threaded state such as BatchNorm statistics would make each chunk's"
+        " embeddings depend on the chunk, and no split of the batch could equal the"
+        " full batch. Use a per-example normalisation (LayerNorm, GroupNorm), or"
+        " BatchNorm with frozen statistics (use_running_average=True)."
+    ),
+    "pad_batch": (
+        "rows of zeros would enter the loss as negatives of every example. Pad the"
+        " batch yourself and mask the padding rows out inside loss_fn, or choose a"
+        " num_microbatches that divides the batch."
+    ),
+    "aux_reduction": (
+        "loss_fn's aux is computed once, on the whole batch, and comes back as it"
+        " returned it: there is nothing to reduce."
+    ),
+    "gradient_noise": (
+        "the gradient of a batch-coupled loss is not a mean of independent"
+        " per-chunk gradients, so their spread estimates no gradient noise."
+    ),
+}
+
+
+def _check_supported(unsupported: dict[str, Any]) -> None:
+  for name in unsupported:
+    if name in _REFUSED:
+      raise ValueError(f"cached_value_and_grad does not take {name}=: {_REFUSED[name]}")
+  if unsupported:
+    raise TypeError(
+        f"cached_value_and_grad got unexpected option(s) {sorted(unsupported)}; see its"
+        " docstring for the options it takes."
+    )
+
+
+def _bind(options: _options.Options, args: tuple[Any, ...], kwargs: dict[str, Any]):
+  """``_options.bind``, with a batch that does not split refused in this door's words."""
+  # pad_batch=True only keeps bind from raising with advice (pad_batch, weight_fn)
+  # that this door refuses; no padding is ever applied here.
+  call = _options.bind(options._replace(pad_batch=True), args, kwargs)
+  if call.padding:
+    parts = options.num_microbatches * call.num_shards
+    where = "" if call.num_shards == 1 else f" x {call.num_shards} devices"
+    per_device, uneven = divmod(call.batch_size, call.num_shards)
+    choices = "" if uneven else (
+        f" or choose num_microbatches among {_batching.divisors(per_device)}"
+    )
+    raise ValueError(
+        f"A batch of {call.batch_size} does not split into num_microbatches="
+        f"{options.num_microbatches}{where}. Pad it to a multiple of {parts} with rows"
+        f" that loss_fn masks out,{choices}."
+    )
+  return call
+
+
+class _Devices(NamedTuple):
+  """What differs between one device and a data axis of several."""
+
+  axis: str | None  # None: one device, no collectives
+  shard: jax.Array | None  # this device's index along the axis
+  num: int
+
+  def gather(self, tree: Any) -> Any:
+    """The whole batch's rows, in batch order (device order), on every device."""
+    if self.axis is None:
+      return tree
+    return jax.tree.map(lambda x: jax.lax.all_gather(x, self.axis, tiled=True), tree)
+
+  def own_rows(self, tree: Any) -> Any:
+    """This device's rows of a whole-batch ``tree``."""
+    if self.axis is None:
+      return tree
+    return jax.tree.map(
+        lambda x: jax.lax.dynamic_slice_in_dim(x, self.shard * (x.shape[0] // self.num),
+                                               x.shape[0] // self.num),
+        tree,
+    )
+
+  def reduce(self, acc: _core.Accumulator) -> _core.Accumulator:
+    """The devices' gradient sums added: the one reduction of the step."""
+    if self.axis is None:
+      return acc
+    if any(_core.is_narrow(x.dtype) for x in jax.tree.leaves(acc.total)):
+      return _core.merge(acc, self.axis)  # running means, weighed by the devices' weights
+    # Every device adds the same number of chunks, so only the sums travel.
+    return acc._replace(
+        total=jax.lax.psum(acc.total, self.axis), weight=acc.weight * self.num,
+        count=acc.count * self.num,
+    )
+
+
+_ONE_DEVICE = _Devices(None, None, 1)
+
+
+def _chunk_args(options, call, args, index, chunk, devices) -> list[Any]:
+  """``args`` with the batch replaced by chunk ``index`` and its keys folded."""
+  chunk_args = list(args)
+  for n in call.batch_argnums:
+    chunk_args[n] = chunk[n]
+  for n in options.rng_argnums:
+    chunk_args[n] = jax.tree.map(lambda key: _fold_in(key, index, devices.shard), args[n])
+  return chunk_args
+
+
+def _split_batch(options, call, args) -> dict[int, Any]:
+  split = functools.partial(
+      _batching.split, num_microbatches=options.num_microbatches, how=options.split
+  )
+  return {n: jax.tree.map(split, args[n]) for n in call.batch_argnums}
+
+
+def _check_embeddings(embeddings: Any, rows: int) -> None:
+  for path, leaf in jax.tree.leaves_with_path(embeddings):
+    where = jax.tree_util.keystr(path) or "(the embeddings)"
+    shape = jnp.shape(leaf)
+    if not shape or shape[0] != rows:
+      raise ValueError(
+          f"embed_fn returned a leaf {where} of shape {shape}, without the chunk's {rows}"
+          " rows as its leading axis. embed_fn must return per-example embeddings (a"
+          " pytree of (rows, ...) arrays). If this is a batch statistic (BatchNorm's"
+          " updated batch_stats), no chunked embedding can equal the full batch's: use a"
+          " per-example normalisation, or BatchNorm with frozen statistics."
+      )
+    if not jnp.issubdtype(jnp.result_type(leaf), jnp.inexact):
+      raise ValueError(
+          f"embed_fn returned a leaf {where} of dtype {jnp.result_type(leaf)}: embeddings"
+          " must be floating point, since the loss's gradient flows back through them."
+      )
+
+
+def _embed(embed_fn, options, call, args, kwargs, devices) -> Any:
+  """Pass 1: every chunk embedded, forward only; this device's rows in batch order."""
+
+  def body(carry, xs):
+    index, chunk = xs
+    embeddings = embed_fn(*_chunk_args(options, call, args, index, chunk, devices), **kwargs)
+    _check_embeddings(embeddings, call.rows)
+    return carry, embeddings
+
+  xs = (jnp.arange(options.num_microbatches, dtype=jnp.int32), _split_batch(options, call, args))
+  _, stacked = jax.lax.scan(jax.named_call(body, name="accum_jax_embed"), (), xs)
+  return jax.tree.map(lambda x: _batching.unsplit(x, options.split), stacked)
+
+
+def _describe(x: Any) -> str:
+  if isinstance(x, (tuple, list)):
+    return f"a {type(x).__name__} of {len(x)}"
+  if hasattr(x, "shape") and hasattr(x, "dtype"):
+    return f"an array of shape {tuple(x.shape)} and dtype {x.dtype}"
+  return f"a {type(x).__name__}"
+
+
+def _loss_value(out: Any, has_aux: bool) -> tuple[Any, Any]:
+  """``loss_fn``'s output as ``(loss, aux)``, checked."""
+  if has_aux:
+    if not isinstance(out, (tuple, list)) or len(out) != 2:
+      raise ValueError(
+          f"has_aux=True, so loss_fn must return a pair (loss, aux), but it returned"
+          f" {_describe(out)}. Return (loss, aux), or pass has_aux=False."
+      )
+    value, aux = out
+  else:
+    if isinstance(out, (tuple, list)):
+      raise ValueError(
+          f"loss_fn returned {_describe(out)}, not a scalar loss. If it returns (loss,"
+          " aux), pass has_aux=True."
+      )
+    value, aux = out, ()
+  if not hasattr(value, "shape") or jnp.ndim(value) != 0:
+    raise ValueError(
+        f"loss_fn must return the scalar loss of the whole batch, got {_describe(value)}:"
+        " reduce it (e.g. with jnp.mean), and return other outputs as aux with"
+        " has_aux=True."
+    )
+  return value, aux
+
+
+class _Loss(NamedTuple):
+  value: jax.Array
+  aux: Any
+  direct: tuple[Any, ...]  # d loss / d argnums, through loss_fn's own use of them
+  cotangents: Any  # d loss / d embeddings, this device's rows
+
+
+def _loss(loss_fn, options, call, args, kwargs, embeddings, devices) -> _Loss:
+  """The loss of the whole batch, and its gradient w.r.t. the embeddings and argnums."""
+  whole = [devices.gather(arg) if n in call.batch_argnums else arg for n, arg in enumerate(args)]
+  # The embeddings go in before the first batch argument: loss_fn(params, embeddings, batch).
+  at = min(call.batch_argnums)
+  loss_args = [*whole[:at], devices.gather(embeddings), *whole[at:]]
+  diff_at = tuple(n + (n > at) for n in options.argnums) + (at,)
+
+  def loss_of(*diff_values):
+    full = list(loss_args)
+    for n, value in zip(diff_at, diff_values):
+      full[n] = value
+    return _loss_value(loss_fn(*full, **kwargs), options.has_aux)
+
+  (value, aux), grads = jax.value_and_grad(
+      loss_of, argnums=tuple(range(len(diff_at))), has_aux=True
+  )(*(loss_args[n] for n in diff_at))
+  return _Loss(value, aux, grads[:-1], devices.own_rows(grads[-1]))
+
+
+def _pull_back(embed_fn, options, call, args, kwargs, cotangents, devices) -> _core.Accumulator:
+  """Pass 2: each chunk embedded again under ``jax.vjp``, its cotangents pulled back."""
+  diff = tuple(args[n] for n in options.argnums)
+
+  def body(acc, xs):
+    index, chunk, cotangent = xs
+    chunk_args = _chunk_args(options, call, args, index, chunk, devices)
+
+    def embed(*diff_values):
+      embed_args = list(chunk_args)
+      for n, value in zip(options.argnums, diff_values):
+        embed_args[n] = value
+      return embed_fn(*embed_args, **kwargs)
+
+    _, pull = jax.vjp(embed, *diff)
+    # Every term enters the sum: dropping one would bias the gradient silently;
+    # a non-finite step is judged as a whole in _finalise.
+    acc, _ = _core.add(acc, pull(cotangent), skip_nonfinite=False)
+    return acc, None
+
+  split = functools.partial(
+      _batching.split, num_microbatches=options.num_microbatches, how=options.split
+  )
+  xs = (
+      jnp.arange(options.num_microbatches, dtype=jnp.int32),
+      _split_batch(options, call, args),
+      jax.tree.map(split, cotangents),
+  )
+  start = _core.init(diff, options.accumulator_dtype)
+  acc, _ = jax.lax.scan(jax.named_call(body, name="accum_jax_pull_back"), start, xs)
+  return acc
+
+
+def _finalise(options, args, loss: _Loss, acc: _core.Accumulator, devices) -> Any:
+  """The direct gradient added, the sum cast to the parameters' dtypes, judged finite."""
+  acc, _ = _core.add(acc, loss.direct, skip_nonfinite=False)
+  diff = tuple(args[n] for n in options.argnums)
+  grads = _core.result(acc, diff, "sum")
+  value = loss.value
+  num_chunks = options.num_microbatches * devices.num
+  num_skipped = jnp.zeros((), jnp.int32)
+  if options.skip_nonfinite:
+    # No chunk can be dropped from a batch-coupled loss: a non-finite loss or
+    # gradient makes the whole step NaN, as on the full batch, and counted.
+    finite = jnp.isfinite(value) & _core.all_finite(grads)
+    value, grads = jax.tree.map(
+        lambda x: jnp.where(finite, x, jnp.nan) if jnp.issubdtype(x.dtype, jnp.inexact) else x,
+        (value, grads),
+    )
+    num_skipped = jnp.where(finite, 0, num_chunks).astype(jnp.int32)
+  grads = grads[0] if options.single_argnum else grads
+  out = (value, loss.aux) if options.has_aux else value
+  if options.return_info:
+    total_weight = (num_chunks - num_skipped).astype(jnp.float32)
+    return out, grads, MicrobatchInfo(num_skipped, total_weight)
+  return out, grads
+
+
+def _step(embed_fn, loss_fn, options, call, kwargs, args, devices) -> Any:
+  """One call on one device (or one device's rows of the batch)."""
+  embeddings = _embed(embed_fn, options, call, args, kwargs, devices)
+  loss = _loss(loss_fn, options, call, args, kwargs, embeddings, devices)
+  acc = _pull_back(embed_fn, options, call, args, kwargs, loss.cotangents, devices)
+  return _finalise(options, args, loss, devices.reduce(acc), devices)
+
+
+def _data_parallel(step, args, *, batch_argnums, mesh, axis: str) -> Any:
+  """``step`` on each device's rows of the batch, inside ``jax.shard_map``.
+
+  The parameters are taken replicated over ``axis`` (sharded parameters are
+  gathered whole on each device); everything ``step`` returns is the same on
+  every device. Non-array leaves of the arguments stay outside ``shard_map``.
+  """
+  leaves, treedef = jax.tree.flatten(args)
+  specs = [P(axis) if n in batch_argnums else P() for n, arg in enumerate(args)
+           for _ in jax.tree.leaves(arg)]
+  at = [i for i, x in enumerate(leaves) if isinstance(x, (jax.Array, np.ndarray, np.generic))]
+  dynamic, dynamic_specs = [leaves[i] for i in at], [specs[i] for i in at]
+  if jax.sharding.AxisType.Explicit in mesh.axis_types:
+    # Under explicit sharding shard_map takes arguments only as its specs say.
+    dynamic = [jax.reshard(x, NamedSharding(mesh, s)) for x, s in zip(dynamic, dynamic_specs)]
+
+  def per_device(dynamic):
+    local = list(leaves)
+    for i, x in zip(at, dynamic):
+      local[i] = x
+    devices = _Devices(axis, jax.lax.axis_index(axis), int(mesh.shape[axis]))
+    return step(jax.tree.unflatten(treedef, local), devices)
+
+  # check_vma=False: each device's gradient sum stays its own partial sum until
+  # the one psum in _Devices.reduce. axis_names: only the data axis is manual.
+  return jax.shard_map(
+      per_device, mesh=mesh, in_specs=(dynamic_specs,), out_specs=P(), check_vma=False,
+      axis_names={axis},
+  )(dynamic)
+
+
+def cached_value_and_grad(
+    embed_fn: Callable[..., Any],
+    loss_fn: Callable[..., Any],
+    num_microbatches: int,
+    *,
+    argnums: int | Sequence[int] = 0,
+    batch_argnums: int | Sequence[int] | None = None,
+    has_aux: bool = False,
+    rng_argnums: int | Sequence[int] | None = None,
+    split: _batching.Split = "contiguous",
+    accumulator_dtype: Any = jnp.float32,
+    skip_nonfinite: bool = True,
+    mesh: jax.sharding.Mesh | None = None,
+    data_axis: str | None = None,
+    return_info: bool = False,
+    **unsupported: Any,
+) -> Callable[..., Any]:
+  """``jax.value_and_grad`` of a loss that couples the batch, embedded in chunks.
+
+  For losses that compare each example with the others (CLIP, SigLIP, InfoNCE,
+  supervised contrastive): the function returned computes what
+  ``jax.value_and_grad`` of ``loss_fn(params, embed_fn(params, batch), batch)``
+  would, with one chunk's activations alive at a time (gradient caching)::
+
+    embeddings = concat([embed_fn(params, chunk) for chunk in chunks])  # pass 1, no residuals
+    loss, (d_params, d_embeddings) = value_and_grad(loss_fn)(params, embeddings, batch)
+    for chunk, d_chunk in zip(chunks, split(d_embeddings)):             # pass 2
+      d_params += vjp(lambda p: embed_fn(p, chunk), params)(d_chunk)    # float32 sums
+
+  :func:`accum_jax.value_and_grad` would instead give the mean of per-chunk
+  losses, each seeing only its own chunk's negatives: another loss. This costs
+  one more forward pass of the towers than that (about 4/3 of a step).
+
+  See the guide: :doc:`/guides/contrastive`.
+
+  Args:
+    embed_fn: ``embed_fn(params, chunk, ...)``, called with the returned
+      function's arguments, each batch argument replaced by one chunk of it (and
+      each key of ``rng_argnums`` folded with the chunk's index); returns the
+      embeddings, a pytree of floating arrays with the chunk's rows first (a
+      dict for several towers).
+    loss_fn: ``loss_fn(params, embeddings, batch, ...)``: the returned
+      function's arguments with the whole batch's embeddings (in batch order)
+      inserted before the first batch argument; returns the scalar loss of the
+      whole batch (``(loss, aux)`` with ``has_aux``). The gradient through its
+      own use of the parameters (a temperature, a bias) is added.
+    num_microbatches: the number of chunks, an int >= 1 dividing the batch
+      (on each device, under a mesh).
+    argnums: which positional argument(s) to differentiate.
+    batch_argnums: which positional argument(s) are batches. None (default):
+      every positional argument not otherwise named whose leaves are arrays
+      with a leading axis.
+    has_aux: ``loss_fn`` returns ``(loss, aux)``; aux is computed once, on the
+      whole batch, and returned as it is.
+    rng_argnums: argument(s) holding a PRNG key or a pytree of keys; chunk ``i``
+      is embedded with ``jax.random.fold_in(key, i)`` in both passes (then with
+      the device's index under a mesh), and ``loss_fn`` gets the key itself.
+    split: ``"contiguous"`` (default) or ``"strided"`` rows per chunk.
+    accumulator_dtype: the dtype of the gradient sums (float32 by default;
+      None for the parameters' own). Results are cast back.
+    skip_nonfinite: a step whose loss or gradient is not finite returns NaN for
+      the loss and every gradient leaf, and counts all its chunks as skipped in
+      ``info.num_skipped``: no chunk of a batch-coupled loss can be dropped, so
+      the step is skipped whole, as ``jax.value_and_grad`` would leave it
+      non-finite. False: the gradient as computed, NaN where it is.
+    mesh: a ``jax.sharding.Mesh`` to run data-parallel on: each device embeds
+      its rows, the embeddings are all-gathered for the loss, each device pulls
+      back its own rows, and the gradient is reduced once per call. Parameters
+      are taken replicated. None: the ``jax.set_mesh`` mesh when ``data_axis``
+      is given, else no mesh.
+    data_axis: the mesh axis the batch is sharded over.
+    return_info: also return a :class:`MicrobatchInfo` (its ``num_skipped`` and
+      ``total_weight`` count chunks, over all devices).
+    **unsupported: the options of :func:`value_and_grad` that mean nothing here
+      (``weight_fn``, ``state_argnums``, ``pad_batch``, ``aux_reduction``,
+      ``gradient_noise``) are refused with a ValueError saying what to do.
+
+  Returns:
+    A function of ``(params, batch, ...)`` returning ``(loss, grads)``, or
+    ``((loss, aux), grads)`` with ``has_aux`` (and a :class:`MicrobatchInfo`
+    third with ``return_info``). Call it under ``jax.jit``.
+
+  Raises:
+    ValueError: for bad or refused options; at trace time, for a batch that
+      does not split, embeddings without the chunk's rows first (BatchNorm
+      statistics among them), or a loss that is not a scalar.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, accum_jax
+    >>> def embed(params, batch):
+    ...   return {"a": jnp.tanh(batch["a"] @ params["wa"]), "b": batch["b"] @ params["wb"]}
+    >>> def clip_loss(params, emb, batch):
+    ...   logits = jnp.exp(params["t"]) * emb["a"] @ emb["b"].T
+    ...   labels = jnp.arange(logits.shape[0])
+    ...   return -jnp.mean(jax.nn.log_softmax(logits)[labels, labels])
+    >>> params = {"wa": jnp.eye(3), "wb": jnp.eye(3) / 2, "t": jnp.zeros(())}
+    >>> batch = {"a": jnp.sin(jnp.arange(24.0)).reshape(8, 3),
+    ...          "b": jnp.cos(jnp.arange(24.0)).reshape(8, 3)}
+    >>> vg = jax.jit(accum_jax.cached_value_and_grad(embed, clip_loss, num_microbatches=4))
+    >>> loss, grads = vg(params, batch)
+    >>> full_loss, full_grads = jax.value_and_grad(
+    ...     lambda p, b: clip_loss(p, embed(p, b), b))(params, batch)
+    >>> bool(jnp.allclose(loss, full_loss)), bool(jnp.allclose(grads["t"], full_grads["t"]))
+    (True, True)
+  """
+  _check_supported(unsupported)
+  options = _options.make(
+      num_microbatches, argnums=argnums, batch_argnums=batch_argnums, has_aux=has_aux,
+      rng_argnums=rng_argnums, split=split, accumulator_dtype=accumulator_dtype,
+      # Given explicitly: nothing here hides an overflow from a dynamic loss scale
+      # (a non-finite step comes back non-finite), so bind need not refuse one.
+      skip_nonfinite=bool(skip_nonfinite), mesh=mesh, data_axis=data_axis,
+      return_info=return_info,
+  )
+
+  def wrapped(*args, **kwargs):
+    call = _bind(options, args, kwargs)
+    step = functools.partial(_step, embed_fn, loss_fn, options, call, kwargs)
+    if call.mesh is None:
+      return step(args, _ONE_DEVICE)
+    return _data_parallel(
+        step, args, batch_argnums=call.batch_argnums, mesh=call.mesh, axis=str(call.data_axis)
+    )
+
+  return wrapped
