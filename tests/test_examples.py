@@ -105,6 +105,16 @@ def check_resume(stdout: str) -> None:
   assert "bitwise equal: True" in stdout, stdout
 
 
+def check_contrastive(stdout: str) -> None:
+  # cached_value_and_grad equals the full batch; value_and_grad over the same chunks does not.
+  for when in ("at initialisation", "after training"):
+    assert _number_after(f"gradient deviation {when}, cached:", stdout) < PARITY_TOLERANCE
+    plain = _number_after(f"gradient deviation {when}, value_and_grad:", stdout)
+    assert plain > MEAN_OF_MEANS_MIN_DEVIATION, stdout
+  assert "verdict: exact and within budget: N = 8," in stdout, stdout
+  _check_loss_went_down(stdout)
+
+
 EXAMPLES = [
     Example(
         script="quickstart.py",
@@ -133,6 +143,7 @@ EXAMPLES = [
         "flax_nnx.py", ("--quick", "--door", "value_and_grad"), (), check_flax_nnx_value_and_grad
     ),
     Example("resume.py", ("--quick",), (), check_resume),
+    Example("contrastive.py", ("--quick", "--plot", "{tmp}/c.png"), ("c.png",), check_contrastive),
 ]
 
 
