@@ -226,9 +226,12 @@ def test_strided_split_equals_the_full_batch():
   tree_allclose(grads, full_grads)
 
 
-def test_bfloat16_parameters_accumulate_in_float32_and_come_back_in_bfloat16():
+@pytest.mark.parametrize("accumulator_dtype", [jnp.float32, None], ids=["float32 sums",
+                                                                      "bfloat16 running mean"])
+def test_bfloat16_parameters_get_bfloat16_gradients(accumulator_dtype):
   params, batch = make_params(jnp.bfloat16), make_batch()
-  _, grads = cached("CLIP InfoNCE, two towers", 8)(params, batch)
+  _, grads = cached("CLIP InfoNCE, two towers", 8, accumulator_dtype=accumulator_dtype)(
+      params, batch)
   _, full_grads = full_batch(embed_two, clip_loss)(make_params(), batch)
   assert all(g.dtype == jnp.bfloat16 for g in jax.tree.leaves(grads))
   # The bfloat16 forward itself rounds; the sums must add nothing beyond that.
@@ -305,7 +308,7 @@ def test_a_non_finite_gradient_under_a_finite_loss_is_caught():
   tree_allclose(as_computed(params, batch), (plain_loss, plain_grads))
 
 
-def test_pass_one_keeps_no_activations():
+def test_memory_holds_one_chunk_of_activations():
   # A tower whose hidden layer dwarfs the embeddings: chunked, the compiled step
   # needs a fraction of the full batch's memory.
   def embed(params, batch):
