@@ -74,7 +74,9 @@ def _check_supported(unsupported: dict[str, Any]) -> None:
     )
 
 
-def _bind(options: _options.Options, args: tuple[Any, ...], kwargs: dict[str, Any]):
+def _bind(
+    options: _options.Options, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> _options.Call:
   """``_options.bind``, with a batch that does not split refused in this door's words."""
   # pad_batch=True only keeps bind from raising with advice (pad_batch, weight_fn)
   # that this door refuses; no padding is ever applied here.
@@ -84,12 +86,12 @@ def _bind(options: _options.Options, args: tuple[Any, ...], kwargs: dict[str, An
     where = "" if call.num_shards == 1 else f" x {call.num_shards} devices"
     per_device, uneven = divmod(call.batch_size, call.num_shards)
     choices = "" if uneven else (
-        f" or choose num_microbatches among {_batching.divisors(per_device)}"
+        f", or choose num_microbatches among {_batching.divisors(per_device)}"
     )
     raise ValueError(
         f"A batch of {call.batch_size} does not split into num_microbatches="
         f"{options.num_microbatches}{where}. Pad it to a multiple of {parts} with rows"
-        f" that loss_fn masks out,{choices}."
+        f" that loss_fn masks out{choices}."
     )
   return call
 
@@ -143,11 +145,11 @@ def _chunk_args(options, call, args, index, chunk, devices) -> list[Any]:
   return chunk_args
 
 
-def _split_batch(options, call, args) -> dict[int, Any]:
-  split = functools.partial(
-      _batching.split, num_microbatches=options.num_microbatches, how=options.split
+def _split(options, tree: Any) -> Any:
+  """Each leaf of ``tree`` as ``(num_microbatches, rows, ...)``, for a scan over chunks."""
+  return jax.tree.map(
+      lambda x: _batching.split(x, options.num_microbatches, options.split), tree
   )
-  return {n: jax.tree.map(split, args[n]) for n in call.batch_argnums}
 
 
 def _check_embeddings(embeddings: Any, rows: int) -> None:
@@ -178,7 +180,8 @@ def _embed(embed_fn, options, call, args, kwargs, devices) -> Any:
     _check_embeddings(embeddings, call.rows)
     return carry, embeddings
 
-  xs = (jnp.arange(options.num_microbatches, dtype=jnp.int32), _split_batch(options, call, args))
+  batch = {n: _split(options, args[n]) for n in call.batch_argnums}
+  xs = (jnp.arange(options.num_microbatches, dtype=jnp.int32), batch)
   _, stacked = jax.lax.scan(jax.named_call(body, name="accum_jax_embed"), (), xs)
   return jax.tree.map(lambda x: _batching.unsplit(x, options.split), stacked)
 
@@ -263,13 +266,10 @@ def _pull_back(embed_fn, options, call, args, kwargs, cotangents, devices) -> _c
     acc, _ = _core.add(acc, pull(cotangent), skip_nonfinite=False)
     return acc, None
 
-  split = functools.partial(
-      _batching.split, num_microbatches=options.num_microbatches, how=options.split
-  )
   xs = (
       jnp.arange(options.num_microbatches, dtype=jnp.int32),
-      _split_batch(options, call, args),
-      jax.tree.map(split, cotangents),
+      {n: _split(options, args[n]) for n in call.batch_argnums},
+      _split(options, cotangents),
   )
   start = _core.init(diff, options.accumulator_dtype)
   acc, _ = jax.lax.scan(jax.named_call(body, name="accum_jax_pull_back"), start, xs)
