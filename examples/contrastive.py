@@ -23,7 +23,7 @@ in memory. The script
 
 The data are scikit-learn's 8x8 digits (no download).
 
-  python examples/contrastive.py            # about 15 s on 2 CPU cores
+  python examples/contrastive.py            # about 20 s on 2 CPU cores
   python examples/contrastive.py --quick    # fewer N and steps: a smoke test
 """
 
