@@ -31,7 +31,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from accum_jax import _batching, _core, _options
+from accum_jax import _batching, _core, _options, _sharding
 from accum_jax._microbatch import MicrobatchInfo, _fold_in
 
 # Options of value_and_grad that have no meaning here, and what to do instead.
@@ -99,7 +99,7 @@ def _bind(
 class _Devices(NamedTuple):
   """What differs between one device and a data axis of several."""
 
-  axis: str | None  # None: one device, no collectives
+  axis: tuple[str, ...] | None  # None: one device, no collectives
   shard: jax.Array | None  # this device's index along the axis
   num: int
 
@@ -309,7 +309,7 @@ def _step(embed_fn, loss_fn, options, call, kwargs, args, devices) -> Any:
   return _finalise(options, args, loss, devices.reduce(acc), devices)
 
 
-def _data_parallel(step, args, *, batch_argnums, mesh, axis: str) -> Any:
+def _data_parallel(step, args, *, batch_argnums, mesh, axis: tuple[str, ...]) -> Any:
   """``step`` on each device's rows of the batch, inside ``jax.shard_map``.
 
   The parameters are taken replicated over ``axis`` (sharded parameters are
@@ -329,14 +329,14 @@ def _data_parallel(step, args, *, batch_argnums, mesh, axis: str) -> Any:
     local = list(leaves)
     for i, x in zip(at, dynamic):
       local[i] = x
-    devices = _Devices(axis, jax.lax.axis_index(axis), int(mesh.shape[axis]))
+    devices = _Devices(axis, jax.lax.axis_index(axis), _sharding.num_shards(mesh, axis))
     return step(jax.tree.unflatten(treedef, local), devices)
 
   # check_vma=False: each device's gradient sum stays its own partial sum until
   # the one psum in _Devices.reduce. axis_names: only the data axis is manual.
   return jax.shard_map(
       per_device, mesh=mesh, in_specs=(dynamic_specs,), out_specs=P(), check_vma=False,
-      axis_names={axis},
+      axis_names=set(axis),
   )(dynamic)
 
 
@@ -461,7 +461,7 @@ def cached_value_and_grad(
     if call.mesh is None:
       return step(args, _ONE_DEVICE)
     return _data_parallel(
-        step, args, batch_argnums=call.batch_argnums, mesh=call.mesh, axis=str(call.data_axis)
+        step, args, batch_argnums=call.batch_argnums, mesh=call.mesh, axis=call.data_axes
     )
 
   return wrapped
