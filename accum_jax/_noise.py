@@ -83,7 +83,7 @@ def zero_sums() -> NoiseSums:
 
 
 def add(
-    sums: NoiseSums, grads: Any, weight: jax.Array, kept: jax.Array, scale: Any = 1.0
+    sums: NoiseSums, grads: Any, weight: Any, kept: jax.Array, scale: Any = 1.0
 ) -> NoiseSums:
   """Adds one small batch's mean gradient, ``grads / scale``, of weight ``weight`` if ``kept``.
 

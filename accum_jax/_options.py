@@ -368,7 +368,8 @@ def bind(options: Options, args: tuple[Any, ...], kwargs: dict[str, Any] | None 
   for n in options.rng_argnums:
     _check_keys(args[n], n)
   size = _batching.batch_size({n: args[n] for n in batch})
-  mesh, axes, num_shards = None, (), 1
+  mesh, num_shards = None, 1
+  axes: tuple[str, ...] = ()
   if options.data_parallel:
     mesh, axes = _sharding.resolve_mesh(options.mesh, options.data_axis)
     num_shards = _sharding.num_shards(mesh, axes)

@@ -157,7 +157,9 @@ def _leaf_plan(
     shape: tuple[int, ...], spec: P | None, axes: tuple[str, ...], path: str
 ) -> LeafPlan:
   entries = list(spec or ()) + [None] * (len(shape) - len(spec or ()))
-  in_spec, gathers, used = [], [], set()
+  in_spec: list[Any] = []
+  gathers: list[tuple[int, tuple[str, ...]]] = []
+  used: set[str] = set()
   for dim, entry in enumerate(entries):
     names = _spec_entries(entry)
     data = tuple(a for a in names if a in axes)
@@ -423,7 +425,8 @@ def run(
 
   grads = grad_specs(plan)
   out_specs = LocalSums(
-      acc=_core.Accumulator((P(), grads), P(), P(), P()), aux_sums=P(), state=P(),
+      acc=_core.Accumulator((P(), grads), *(P(),) * 3),  # type: ignore[arg-type]
+      aux_sums=P(), state=P(),
       per_example=P(plan.axes), noise=P(), batch_weight=P(),
   )
   # check_vma=False: the gradient of a replicated argument stays a per-device
