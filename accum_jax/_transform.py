@@ -1,7 +1,18 @@
-"""Accumulation across calls: an Optax gradient transformation."""
+"""Accumulation across calls: an Optax gradient transformation.
+
+:func:`accumulate`'s ``update`` is a short composition of the steps below::
+
+  options = _make_options(...)                  # once, when it is built
+  call = _bind(grads, state, params, ...)       # per call: checks, window arguments
+  window = _add(options, call, state)           # the call into the window; does it end?
+  updates, inner_state, last_noise = _step_inner(options, call, state, window)
+                                                # the inner update, on emitting calls only
+  return updates, _next_state(...)              # window emptied, counters advanced
+"""
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from collections.abc import Mapping
@@ -273,6 +284,237 @@ def _no_skip(updates: Any, gradient_step: jax.Array, params: Any):
   return jnp.array(False), ()
 
 
+class _Options(NamedTuple):
+  """The options of one ``accumulate(...)``, checked when it is built."""
+
+  inner: optax.GradientTransformationExtraArgs
+  schedule: EveryKSchedule | None  # None: the window length is in the state
+  by_noise: NoiseScaleSchedule | None  # every_k given as a noise_scale_every_k
+  track_noise: bool  # the state keeps the gradient-noise sums
+  reduction: _core.Reduction
+  accumulator_dtype: Any
+  skip_nonfinite: bool
+  skip_fn: ShouldSkipUpdateFunction
+
+
+class _Call(NamedTuple):
+  """The arguments of one ``update``, checked."""
+
+  grads: Any
+  params: Any
+  weight: Any  # a scalar, or None: the call weighs 1
+  flush: jax.Array  # shape=(), dtype=bool
+  value: jax.Array | None  # this call's loss, for the inner optimizer's `value`
+  window_grad: bool  # the inner optimizer takes the window's gradient as `grad`
+  extra_args: dict[str, Any]  # for the inner optimizer, as the emitting call gives them
+
+
+class _Window(NamedTuple):
+  """The window with this call added, and what becomes of it."""
+
+  accumulator: _core.Accumulator  # with this call (if kept)
+  kept: jax.Array  # shape=(), dtype=bool: this call was added
+  skip_state: Any  # what should_skip_update_fn reported
+  value_accumulator: _core.Accumulator  # the window's `value`s, likewise
+  noise: Any  # the window's noise sums, () without gradient noise
+  done: jax.Array  # shape=(), dtype=bool: the window ends with this call
+  apply: jax.Array  # shape=(), dtype=bool: ... and the inner optimizer runs on it
+
+
+def _make_options(
+    inner, every_k, *, reduction, accumulator_dtype, skip_nonfinite, should_skip_update_fn,
+    every_k_name, gradient_noise,
+) -> _Options:
+  by_noise = every_k if isinstance(every_k, NoiseScaleSchedule) else None
+  schedule = None if by_noise else _check_every_k(every_k, every_k_name)
+  if reduction not in _core.REDUCTIONS:
+    raise ValueError(
+        f"reduction={reduction!r} is not one of {_core.REDUCTIONS}: 'mean'"
+        " divides the accumulated gradient by the total weight, 'sum' does not."
+    )
+  return _Options(
+      inner=optax.with_extra_args_support(inner),
+      schedule=schedule,
+      by_noise=by_noise,
+      track_noise=gradient_noise or by_noise is not None,
+      reduction=reduction,
+      accumulator_dtype=_core.canonicalize_accumulator_dtype(accumulator_dtype),
+      skip_nonfinite=skip_nonfinite,
+      skip_fn=should_skip_update_fn or _no_skip,
+  )
+
+
+def _init(options: _Options, params: Any) -> AccumulationState:
+  """An empty window, and the inner optimizer's initial state."""
+  # optax.lookahead takes LookaheadParams, and gradients of the fast ones.
+  grads_like = params.fast if isinstance(params, optax.LookaheadParams) else params
+  zeros = jax.tree.map(jnp.zeros_like, grads_like)
+  _, skip_state = options.skip_fn(zeros, jnp.zeros((), jnp.int32), params)
+  return AccumulationState(
+      accumulator=_core.init(grads_like, options.accumulator_dtype),
+      optimizer_step=jnp.zeros((), jnp.int32),
+      inner_opt_state=options.inner.init(params),
+      last_updated=jnp.array(False),
+      num_empty_windows=jnp.zeros((), jnp.int32),
+      value_accumulator=_core.init(jnp.zeros((), jnp.float32), jnp.float32),
+      window_value=jnp.zeros((), jnp.float32),
+      skip_state=skip_state,
+      **_init_noise(options.track_noise, options.by_noise),
+  )
+
+
+def _bind(grads, state, params, weight, flush, extra_args) -> _Call:
+  """Checks one call's arguments (at trace time) and sorts its extra arguments."""
+  _check_tree_matches(grads, state.accumulator.total)
+  _check_weight(weight)
+  flush = _check_flush(flush)
+  extra_args = dict(extra_args)
+  value = extra_args.pop("value", None)
+  if value is not None:
+    _check_value(value)
+    value = jnp.asarray(value)
+  return _Call(
+      grads=grads,
+      params=params,
+      weight=weight,
+      flush=flush,
+      value=value,
+      # A line search's gradient at `params` is the window's gradient.
+      window_grad=extra_args.pop("grad", None) is not None,
+      extra_args=extra_args,
+  )
+
+
+def _add(options: _Options, call: _Call, state: AccumulationState) -> _Window:
+  """This call into the window (unless skipped), and whether the window ends."""
+  should_skip, skip_state = options.skip_fn(call.grads, state.optimizer_step, call.params)
+  accept = ~jnp.asarray(should_skip, bool)
+  if call.value is not None and options.skip_nonfinite:
+    # A NaN loss is bad data as much as a NaN gradient (and would poison the
+    # window's mean loss): the call is skipped.
+    accept = accept & jnp.isfinite(call.value)
+  accumulator, kept = _core.add(
+      state.accumulator, call.grads, call.weight, skip_nonfinite=options.skip_nonfinite,
+      accept=accept,
+  )
+  value_accumulator = state.value_accumulator
+  if call.value is not None:
+    value_accumulator, _ = _core.add(
+        value_accumulator, call.value, call.weight, skip_nonfinite=False, accept=kept
+    )
+  # Per call without weight=: B_simple is then counted in calls.
+  noise = (
+      _noise.add(
+          state.noise, call.grads, jnp.asarray(1.0 if call.weight is None else call.weight), kept
+      )
+      if options.track_noise else ()
+  )
+  done = (accumulator.count >= _window_length(options, state)) | call.flush
+  window = _Window(
+      accumulator, kept, skip_state, value_accumulator, noise, done,
+      apply=done & (accumulator.weight > 0),
+  )
+  return _drop_overflowing_sum(window, call) if options.reduction == "sum" else window
+
+
+def _window_length(options: _Options, state: AccumulationState) -> jax.Array:
+  """k of the current window: the schedule's, or the state's (noise-driven)."""
+  if options.schedule is None:
+    return state.window_length
+  return jnp.asarray(options.schedule(state.optimizer_step), jnp.int32)
+
+
+def _drop_overflowing_sum(window: _Window, call: _Call) -> _Window:
+  """A float16 sum beyond 65504 would reach the inner optimizer as inf: the
+  window is dropped and its calls counted as skipped, like non-finite ones."""
+  acc = window.accumulator
+  overflows = window.apply & ~_core.sum_fits(acc, call.grads)
+  return window._replace(
+      accumulator=acc._replace(
+          num_skipped=acc.num_skipped + jnp.where(overflows, acc.count, 0).astype(jnp.int32)
+      ),
+      apply=window.apply & ~overflows,
+  )
+
+
+def _inner_update(options, call, inner_state, window, value_window):
+  """The inner optimizer's update on the window's gradient (and `value`)."""
+  grads = _core.result(window, call.grads, options.reduction)
+  window_args = {}
+  if call.value is not None:
+    window_args["value"] = _core.result(value_window, call.value, options.reduction)
+  if call.window_grad:
+    window_args["grad"] = grads
+  return options.inner.update(grads, inner_state, call.params, **call.extra_args, **window_args)
+
+
+def _step_inner(options, call, state, window) -> tuple[Any, Any, Any]:
+  """The updates, the inner state and the last window's noise, after this call.
+
+  A conditional, not a select: the inner update is not computed at all on the
+  calls that only accumulate. Only the inner state and the updates come out of
+  it; the window is emptied outside, so that no call copies it as a branch's
+  output. (Without donation, XLA copies the inner state on every call, as an
+  output may not share an input's buffer; optax.MultiSteps rewrites it on every
+  call instead.)
+  """
+  inner_update = functools.partial(_inner_update, options, call)
+  # The shapes, dtypes and shardings of the inner update, for the zeros of
+  # the other branch (an abstract trace; nothing is computed).
+  update_shapes, _ = jax.eval_shape(
+      inner_update, state.inner_opt_state, window.accumulator, window.value_accumulator
+  )
+
+  def emit(inner_state, previous, grads, value_window):
+    # The window with this call's gradient, added again from the previous
+    # window: the addition outside then has one reader, the select that
+    # empties it, and fuses with it (one pass over the accumulator per call).
+    acc, _ = _core.add(previous, grads, call.weight, skip_nonfinite=False, accept=window.kept)
+    new_updates, new_inner_state = inner_update(inner_state, acc, value_window)
+    window_noise = _window_noise(window.noise, acc, call.grads) if options.track_noise else ()
+    return new_updates, _cast_like(new_inner_state, inner_state), window_noise
+
+  def hold(inner_state, previous, grads, value_window):
+    del previous, grads, value_window
+    return jax.tree.map(_core.zeros_like, update_shapes), inner_state, state.last_noise
+
+  return jax.lax.cond(
+      window.apply, emit, hold, state.inner_opt_state, state.accumulator, call.grads,
+      window.value_accumulator,
+  )
+
+
+def _next_state(options, call, state, window, inner_state, last_noise) -> AccumulationState:
+  """The state after this call: the window emptied if it ended, counters advanced."""
+  window_value = state.window_value
+  if call.value is not None:
+    window_value = jnp.where(
+        window.apply,
+        _core.result(window.value_accumulator, window_value, options.reduction),
+        window_value,
+    )
+  acc = window.accumulator
+  # A window that ends with zero total weight holds nothing to apply (its
+  # sum is zero too); it restarts, and is counted.
+  empty_window = window.done & ~window.apply & (acc.count > 0) & (acc.weight == 0)
+  return AccumulationState(
+      accumulator=_restart_where(window.done, acc),
+      optimizer_step=state.optimizer_step + window.apply.astype(jnp.int32),
+      inner_opt_state=inner_state,
+      last_updated=window.apply,
+      num_empty_windows=state.num_empty_windows + empty_window.astype(jnp.int32),
+      # Untouched (no work, nothing compiled) when no value is passed.
+      value_accumulator=(
+          state.value_accumulator
+          if call.value is None
+          else _restart_where(window.done, window.value_accumulator)
+      ),
+      window_value=window_value,
+      skip_state=window.skip_state,
+      **_next_noise(state, window, last_noise, options.by_noise),
+  )
+
+
 def _accumulate(
     inner: optax.GradientTransformation,
     every_k: int | EveryKSchedule,
@@ -284,141 +526,20 @@ def _accumulate(
     every_k_name: str = "every_k",
     gradient_noise: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
-  by_noise = every_k if isinstance(every_k, NoiseScaleSchedule) else None
-  schedule = None if by_noise else _check_every_k(every_k, every_k_name)
-  track_noise = gradient_noise or by_noise is not None
-  if reduction not in _core.REDUCTIONS:
-    raise ValueError(
-        f"reduction={reduction!r} is not one of {_core.REDUCTIONS}: 'mean'"
-        " divides the accumulated gradient by the total weight, 'sum' does not."
-    )
-  accumulator_dtype = _core.canonicalize_accumulator_dtype(accumulator_dtype)
-  inner = optax.with_extra_args_support(inner)
-  skip_fn = should_skip_update_fn or _no_skip
+  options = _make_options(
+      inner, every_k, reduction=reduction, accumulator_dtype=accumulator_dtype,
+      skip_nonfinite=skip_nonfinite, should_skip_update_fn=should_skip_update_fn,
+      every_k_name=every_k_name, gradient_noise=gradient_noise,
+  )
 
   def init_fn(params):
-    # optax.lookahead takes LookaheadParams, and gradients of the fast ones.
-    grads_like = params.fast if isinstance(params, optax.LookaheadParams) else params
-    zeros = jax.tree.map(jnp.zeros_like, grads_like)
-    _, skip_state = skip_fn(zeros, jnp.zeros((), jnp.int32), params)
-    return AccumulationState(
-        accumulator=_core.init(grads_like, accumulator_dtype),
-        optimizer_step=jnp.zeros((), jnp.int32),
-        inner_opt_state=inner.init(params),
-        last_updated=jnp.array(False),
-        num_empty_windows=jnp.zeros((), jnp.int32),
-        value_accumulator=_core.init(jnp.zeros((), jnp.float32), jnp.float32),
-        window_value=jnp.zeros((), jnp.float32),
-        skip_state=skip_state,
-        **_init_noise(track_noise, by_noise),
-    )
+    return _init(options, params)
 
   def update_fn(updates, state, params=None, *, weight=None, flush=False, **extra_args):
-    _check_tree_matches(updates, state.accumulator.total)
-    _check_weight(weight)
-    flush = _check_flush(flush)
-    value = extra_args.pop("value", None)
-    # A line search's gradient at `params` is the window's gradient.
-    window_grad = extra_args.pop("grad", None) is not None
-    if value is not None:
-      _check_value(value)
-      value = jnp.asarray(value)
-    should_skip, skip_state = skip_fn(updates, state.optimizer_step, params)
-    accept = ~jnp.asarray(should_skip, bool)
-    if value is not None and skip_nonfinite:
-      # A NaN loss is bad data as much as a NaN gradient (and would poison the
-      # window's mean loss): the call is skipped.
-      accept = accept & jnp.isfinite(value)
-    accumulator, kept = _core.add(
-        state.accumulator, updates, weight, skip_nonfinite=skip_nonfinite, accept=accept
-    )
-    value_accumulator = state.value_accumulator
-    if value is not None:
-      value_accumulator, _ = _core.add(
-          value_accumulator, value, weight, skip_nonfinite=False, accept=kept
-      )
-    if by_noise:
-      every = state.window_length
-    else:
-      every = jnp.asarray(schedule(state.optimizer_step), jnp.int32)
-    # Per call without weight=: B_simple is then counted in calls.
-    noise = (
-        _noise.add(state.noise, updates, jnp.asarray(1.0 if weight is None else weight), kept)
-        if track_noise else ()
-    )
-    window_done = (accumulator.count >= every) | flush
-    apply = window_done & (accumulator.weight > 0)
-    if reduction == "sum":
-      # A float16 sum beyond 65504 would reach the inner optimizer as inf: the
-      # window is dropped and its calls counted as skipped, like non-finite ones.
-      overflows = apply & ~_core.sum_fits(accumulator, updates)
-      apply = apply & ~overflows
-      accumulator = accumulator._replace(
-          num_skipped=accumulator.num_skipped
-          + jnp.where(overflows, accumulator.count, 0).astype(jnp.int32)
-      )
-
-    def inner_update(inner_state, window, value_window):
-      grads = _core.result(window, updates, reduction)
-      window_args = {}
-      if value is not None:
-        window_args["value"] = _core.result(value_window, value, reduction)
-      if window_grad:
-        window_args["grad"] = grads
-      return inner.update(grads, inner_state, params, **extra_args, **window_args)
-
-    # The shapes, dtypes and shardings of the inner update, for the zeros of
-    # the other branch (an abstract trace; nothing is computed).
-    update_shapes, _ = jax.eval_shape(
-        inner_update, state.inner_opt_state, accumulator, value_accumulator
-    )
-
-    def emit(inner_state, previous, grads, value_window):
-      # The window with this call's gradient, added again from the previous
-      # window: the addition outside then has one reader, the select that
-      # empties it, and fuses with it (one pass over the accumulator per call).
-      window, _ = _core.add(previous, grads, weight, skip_nonfinite=False, accept=kept)
-      new_updates, new_inner_state = inner_update(inner_state, window, value_window)
-      window_noise = _window_noise(noise, window, updates) if track_noise else ()
-      return new_updates, _cast_like(new_inner_state, inner_state), window_noise
-
-    def hold(inner_state, previous, grads, value_window):
-      del previous, grads, value_window
-      return jax.tree.map(_core.zeros_like, update_shapes), inner_state, state.last_noise
-
-    # A conditional, not a select: the inner update is not computed at all on
-    # the calls that only accumulate. Only the inner state and the updates come
-    # out of it; the window is emptied outside, so that no call copies it as a
-    # branch's output. (Without donation, XLA copies the inner state on every
-    # call, as an output may not share an input's buffer; optax.MultiSteps
-    # rewrites it on every call instead.)
-    new_updates, inner_state, last_noise = jax.lax.cond(
-        apply, emit, hold, state.inner_opt_state, state.accumulator, updates, value_accumulator
-    )
-    window_value = state.window_value
-    if value is not None:
-      window_value = jnp.where(
-          apply, _core.result(value_accumulator, window_value, reduction), window_value
-      )
-    # A window that ends with zero total weight holds nothing to apply (its
-    # sum is zero too); it restarts, and is counted.
-    empty_window = window_done & ~apply & (accumulator.count > 0) & (accumulator.weight == 0)
-    return new_updates, AccumulationState(
-        accumulator=_restart_where(window_done, accumulator),
-        optimizer_step=state.optimizer_step + apply.astype(jnp.int32),
-        inner_opt_state=inner_state,
-        last_updated=apply,
-        num_empty_windows=state.num_empty_windows + empty_window.astype(jnp.int32),
-        # Untouched (no work, nothing compiled) when no value is passed.
-        value_accumulator=(
-            state.value_accumulator
-            if value is None
-            else _restart_where(window_done, value_accumulator)
-        ),
-        window_value=window_value,
-        skip_state=skip_state,
-        **_next_noise(state, noise, last_noise, window_done, apply, by_noise),
-    )
+    call = _bind(updates, state, params, weight, flush, extra_args)
+    window = _add(options, call, state)
+    new_updates, inner_state, last_noise = _step_inner(options, call, state, window)
+    return new_updates, _next_state(options, call, state, window, inner_state, last_noise)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -445,22 +566,25 @@ def _window_noise(noise: Any, window: _core.Accumulator, like: Any) -> Any:
   return _noise.estimate(noise, _core.result(window, wide, "mean"))
 
 
-def _next_noise(state, noise, last_noise, window_done, apply, by_noise) -> dict[str, Any]:
+def _next_noise(state, window, last_noise, by_noise) -> dict[str, Any]:
   """The noise fields after a call: emptied with the window, averaged when applied."""
   if state.noise == ():
     return {}
   fields = {
-      "noise": jax.tree.map(lambda x: jnp.where(window_done, jnp.zeros_like(x), x), noise),
+      "noise": jax.tree.map(
+          lambda x: jnp.where(window.done, jnp.zeros_like(x), x), window.noise
+      ),
       "last_noise": last_noise,
   }
   if by_noise:
     ema = jax.tree.map(
-        lambda new, old: jnp.where(apply, new, old), state.noise_ema.update(last_noise),
+        lambda new, old: jnp.where(window.apply, new, old),
+        state.noise_ema.update(last_noise),
         state.noise_ema,
     )
     fields["noise_ema"] = ema
     fields["window_length"] = jnp.where(
-        apply, by_noise.next_k(ema, state.window_length), state.window_length
+        window.apply, by_noise.next_k(ema, state.window_length), state.window_length
     )
   return fields
 
