@@ -182,9 +182,29 @@ def leaf_finite(x: jax.Array) -> jax.Array:
 
 
 def all_finite(tree: Any) -> jax.Array:
-  """True iff every leaf of ``tree`` is free of NaN and Inf; shape=()."""
-  leaves = [leaf_finite(x) for x in jax.tree.leaves(tree)]
-  return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
+  """True iff every leaf of ``tree`` is free of NaN and Inf; shape=().
+
+  A sum holds NaN or Inf when any of its terms does, so one reduction per leaf
+  answers in the usual case: the cheapest pass XLA makes over an array (it reads
+  it once and writes nothing), half the time of :func:`leaf_finite` on CPU. A sum
+  that is not finite may also come from large finite values; only then, under a
+  conditional that costs nothing otherwise, is every element judged
+  (:func:`leaf_finite`).
+  """
+  leaves = [jnp.asarray(x) for x in jax.tree.leaves(tree)]
+  leaves = [x for x in leaves if jnp.issubdtype(x.dtype, jnp.inexact)]
+  if not leaves:
+    return jnp.array(True)
+  # Narrow floats summed in float32: a float16 sum of finite values overflows.
+  sums = [jnp.isfinite(jnp.sum(x, dtype=_wide(x.dtype))) for x in leaves]
+
+  def each_element(leaves):
+    return jnp.all(jnp.stack([leaf_finite(x) for x in leaves]))
+
+  sums_finite = jnp.all(jnp.stack(sums))
+  # The true branch returns the (true) test itself, not a constant: under
+  # shard_map both branches must vary over the same mesh axes.
+  return jax.lax.cond(sums_finite, lambda leaves: sums_finite, each_element, leaves)
 
 
 def _wide(dtype: Any) -> jnp.dtype:

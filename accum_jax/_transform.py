@@ -48,7 +48,10 @@ class AccumulationState(NamedTuple):
   ``inner_opt_state`` read as in ``optax.MultiStepsState``.
   """
 
-  accumulator: _core.Accumulator  # the current window; see _core.Accumulator
+  # The current window; see _core.Accumulator. After a window closes, `total`
+  # keeps its sum until the next call adds to zeros: read `acc_grads`, which
+  # is zeros while the window holds no call (count == 0).
+  accumulator: _core.Accumulator
   optimizer_step: jax.Array  # shape=(), dtype=int32: updates emitted so far
   inner_opt_state: Any  # the inner optimizer's state, advanced only on updates
   last_updated: jax.Array  # shape=(), dtype=bool: did the last call update
@@ -83,9 +86,12 @@ class AccumulationState(NamedTuple):
 
     For an accumulator narrower than float32 (``accumulator_dtype=None`` with
     float16 or bfloat16 gradients), the weighted mean, as ``optax.MultiSteps``
-    keeps it: a float16 sum overflows where the mean does not.
+    keeps it: a float16 sum overflows where the mean does not. Zeros while the
+    window holds no call.
     """
-    return self.accumulator.total
+    if isinstance(self.accumulator.count, jax.ShapeDtypeStruct):
+      return self.accumulator.total  # an abstract state (a restore target): no values
+    return _window_sum(self.accumulator)
 
   @property
   def num_skipped(self) -> jax.Array:
@@ -279,6 +285,31 @@ def _restart_where(done: jax.Array, acc: _core.Accumulator) -> _core.Accumulator
   )
 
 
+def _window_sum(acc: _core.Accumulator) -> Any:
+  """The window's sum: ``acc.total``, or zeros while the window holds no call.
+
+  A closed window's sum stays in the accumulator until the next call, whose
+  addition starts from these zeros instead, in the same pass. Emptying it when
+  the window closes would cost a pass more on every call that only accumulates
+  (the emitting branch reads the window after the addition has written it), or
+  a copy of it (XLA does not write a conditional's output in place).
+  """
+  empty = jnp.asarray(acc.count) == 0
+
+  def masked(total):
+    # States stacked by a scan have the same leading axes on the count.
+    where = jnp.reshape(empty, empty.shape + (1,) * (jnp.ndim(total) - empty.ndim))
+    return jnp.where(where, jnp.zeros((), total.dtype), total)
+
+  return jax.tree.map(masked, acc.total)
+
+
+def _close_where(done: jax.Array, acc: _core.Accumulator) -> _core.Accumulator:
+  """The window closed where ``done``: its counters restart; its sum stays (see
+  :func:`_window_sum`), and so does the skip count."""
+  return acc._replace(weight=jnp.where(done, 0.0, acc.weight), count=jnp.where(done, 0, acc.count))
+
+
 def _no_skip(updates: Any, gradient_step: jax.Array, params: Any):
   del updates, gradient_step, params
   return jnp.array(False), ()
@@ -393,9 +424,9 @@ def _add(options: _Options, call: _Call, state: AccumulationState) -> _Window:
     # A NaN loss is bad data as much as a NaN gradient (and would poison the
     # window's mean loss): the call is skipped.
     accept = accept & jnp.isfinite(call.value)
+  previous = state.accumulator._replace(total=_window_sum(state.accumulator))
   accumulator, kept = _core.add(
-      state.accumulator, call.grads, call.weight, skip_nonfinite=options.skip_nonfinite,
-      accept=accept,
+      previous, call.grads, call.weight, skip_nonfinite=options.skip_nonfinite, accept=accept
   )
   value_accumulator = state.value_accumulator
   if call.value is not None:
@@ -452,11 +483,11 @@ def _step_inner(options, call, state, window) -> tuple[Any, Any, Any]:
   """The updates, the inner state and the last window's noise, after this call.
 
   A conditional, not a select: the inner update is not computed at all on the
-  calls that only accumulate. Only the inner state and the updates come out of
-  it; the window is emptied outside, so that no call copies it as a branch's
-  output. (Without donation, XLA copies the inner state on every call, as an
-  output may not share an input's buffer; optax.MultiSteps rewrites it on every
-  call instead.)
+  calls that only accumulate, which return zeros and pass the inner state
+  through. The window's sum does not go through it: the addition writes it in
+  place before, and the emitting branch only reads it. (Without donation, XLA
+  copies the inner state on every call, as an output may not share an input's
+  buffer; optax.MultiSteps rewrites it on every call instead.)
   """
   inner_update = functools.partial(_inner_update, options, call)
   # The shapes, dtypes and shardings of the inner update, for the zeros of
@@ -465,21 +496,17 @@ def _step_inner(options, call, state, window) -> tuple[Any, Any, Any]:
       inner_update, state.inner_opt_state, window.accumulator, window.value_accumulator
   )
 
-  def emit(inner_state, previous, grads, value_window):
-    # The window with this call's gradient, added again from the previous
-    # window: the addition outside then has one reader, the select that
-    # empties it, and fuses with it (one pass over the accumulator per call).
-    acc, _ = _core.add(previous, grads, call.weight, skip_nonfinite=False, accept=window.kept)
+  def emit(inner_state, acc, value_window):
     new_updates, new_inner_state = inner_update(inner_state, acc, value_window)
     window_noise = _window_noise(window.noise, acc, call.grads) if options.track_noise else ()
     return new_updates, _cast_like(new_inner_state, inner_state), window_noise
 
-  def hold(inner_state, previous, grads, value_window):
-    del previous, grads, value_window
+  def hold(inner_state, acc, value_window):
+    del acc, value_window
     return jax.tree.map(_core.zeros_like, update_shapes), inner_state, state.last_noise
 
   return jax.lax.cond(
-      window.apply, emit, hold, state.inner_opt_state, state.accumulator, call.grads,
+      window.apply, emit, hold, state.inner_opt_state, window.accumulator,
       window.value_accumulator,
   )
 
@@ -498,7 +525,7 @@ def _next_state(options, call, state, window, inner_state, last_noise) -> Accumu
   # sum is zero too); it restarts, and is counted.
   empty_window = window.done & ~window.apply & (acc.count > 0) & (acc.weight == 0)
   return AccumulationState(
-      accumulator=_restart_where(window.done, acc),
+      accumulator=_close_where(window.done, acc),
       optimizer_step=state.optimizer_step + window.apply.astype(jnp.int32),
       inner_opt_state=inner_state,
       last_updated=window.apply,
