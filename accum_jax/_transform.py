@@ -384,7 +384,7 @@ def _init(options: _Options, params: Any) -> AccumulationState:
   return AccumulationState(
       accumulator=_core.init(grads_like, options.accumulator_dtype),
       optimizer_step=jnp.zeros((), jnp.int32),
-      inner_opt_state=options.inner.init(params),
+      inner_opt_state=_sharded_like(options.inner.init(params), params),
       last_updated=jnp.array(False),
       num_empty_windows=jnp.zeros((), jnp.int32),
       value_accumulator=_core.init(jnp.zeros((), jnp.float32), jnp.float32),
@@ -392,6 +392,48 @@ def _init(options: _Options, params: Any) -> AccumulationState:
       skip_state=skip_state,
       **_init_noise(options.track_noise, options.by_noise),
   )
+
+
+def _sharded_like(tree: Any, params: Any) -> Any:
+  """``tree`` with each parameter-shaped leaf sharded like its parameter.
+
+  An optimizer's ``init`` makes its moments with ``jnp.zeros_like``; under
+  ``jax.jit`` with automatic sharding such zeros have no sharding of their own and
+  come out replicated: Adam's moments of FSDP-sharded parameters would cost every
+  device the whole model. A leaf belongs to a parameter when its key path ends
+  with the parameter's and it has the parameter's shape (the rule of
+  :func:`accum_jax.abstract_state`); it gets the parameter's sharding: placed
+  there (concrete arrays), resharded (explicit sharding), or, with automatic
+  sharding, by adding zeros made from the parameter (:func:`_core.zeros_like`),
+  whose sharding XLA then propagates to it.
+  """
+  by_path = {tuple(path): p for path, p in jax.tree.leaves_with_path(params)}
+
+  def parameter_of(path: tuple[Any, ...], leaf: Any) -> Any:
+    for start in range(len(path) + 1):  # the longest matching path first
+      p = by_path.get(path[start:])
+      if p is not None and jnp.shape(p) == jnp.shape(leaf):
+        return p
+    return None
+
+  def shard(path, leaf):
+    p = parameter_of(tuple(path), leaf)
+    if p is None or not jnp.issubdtype(jnp.result_type(leaf), jnp.inexact):
+      return leaf
+    if not isinstance(leaf, jax.core.Tracer) and not isinstance(p, jax.core.Tracer):
+      sharding = getattr(p, "sharding", None)  # None for NumPy parameters
+      current = getattr(leaf, "sharding", None)
+      if sharding is None or current is not None and current.is_equivalent_to(sharding, leaf.ndim):
+        return leaf
+      return jax.device_put(leaf, sharding)
+    spec = getattr(jax.typeof(p).sharding, "spec", ())
+    if any(axis is not None for axis in spec):  # explicit sharding: the type carries it
+      if jax.typeof(leaf).sharding == jax.typeof(p).sharding:
+        return leaf
+      return jax.sharding.reshard(leaf, jax.typeof(p).sharding)
+    return leaf + _core.zeros_like(p, jnp.result_type(leaf))
+
+  return jax.tree.map_with_path(shard, tree)
 
 
 def _bind(grads, state, params, weight, flush, extra_args) -> _Call:

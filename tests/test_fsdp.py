@@ -8,12 +8,14 @@ modes of value_and_grad must show in the compiled code where their collectives r
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from helpers import tree_allclose
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -99,6 +101,57 @@ def test_jitted_update_keeps_the_parameters_sharding_for_the_accumulator_and_the
   # Adam's first update on the mean of two equal gradients g: -lr * g / (|g| + eps).
   expected = jax.tree.map(lambda g: -1e-2 * np.asarray(g) / (np.abs(np.asarray(g)) + 1e-8), grads)
   tree_allclose(updates, expected)
+
+
+def _assert_state_sharded_like_params(state: Any, params: Any) -> None:
+  """Every leaf of ``state`` with a parameter's shape holds 1/8 of it per device.
+
+  The parameters' shapes are all different, so a leaf's shape names its parameter.
+  """
+  by_shape = {p.shape: p for p in jax.tree.leaves(params)}
+  assert len(by_shape) == len(jax.tree.leaves(params))
+  checked = 0
+  for path, x in jax.tree.leaves_with_path(state):
+    p = by_shape.get(x.shape)
+    if p is None:
+      continue
+    shard = x.addressable_shards[0].data.size
+    assert shard == p.size // NUM_DEVICES, (
+        f"state{jax.tree_util.keystr(path)} holds {shard} of its {x.size} elements on one"
+        f" device, not {p.size // NUM_DEVICES}: {x.sharding}"
+    )
+    checked += 1
+  # The accumulator and Adam's two moments: three per parameter.
+  assert checked == 3 * len(by_shape), checked
+
+
+@pytest.mark.parametrize("jit_init", [False, True], ids=["eager init", "jitted init"])
+@pytest.mark.parametrize(
+    "axis_type", [jax.sharding.AxisType.Auto, jax.sharding.AxisType.Explicit],
+    ids=["auto axes", "explicit axes"],
+)
+def test_every_parameter_shaped_leaf_of_the_state_is_sharded_like_its_parameter(
+    axis_type, jit_init
+):
+  # Under jax.jit with automatic axes, an optimizer's zeros_like moments have no
+  # sharding of their own: XLA replicated Adam's mu and nu, the whole model on every
+  # device. (With explicit axes, jit needs the mesh set, as it does for optax alone.)
+  mesh = jax.make_mesh((NUM_DEVICES,), ("data",), axis_types=(axis_type,))
+  params = jax.device_put(_params(), jax.tree.map(lambda x: _fsdp_sharding(mesh, x), _params()))
+  grads = jax.tree.map(lambda x: 0.5 * x - 0.1, params)
+  opt = accum_jax.accumulate(optax.adam(1e-2), every_k=2)
+  context = jax.set_mesh(mesh) if axis_type == jax.sharding.AxisType.Explicit else (
+      contextlib.nullcontext()
+  )
+  with context:
+    state = jax.jit(opt.init)(params) if jit_init else opt.init(params)
+    _assert_state_sharded_like_params(state, params)
+    update = jax.jit(opt.update)
+    for emits in (False, True):
+      updates, state = update(grads, state, params)
+      assert bool(accum_jax.has_updated(state)) == emits
+      _assert_state_sharded_like_params(state, params)
+      _assert_sharded_like(updates, params)
 
 
 def test_value_and_grad_without_a_mesh_reduces_in_the_loop_and_keeps_the_fsdp_sharding():
