@@ -7,7 +7,7 @@
   window = _add(options, call, state)           # the call into the window; does it end?
   updates, inner_state, last_noise = _step_inner(options, call, state, window)
                                                 # the inner update, on emitting calls only
-  return updates, _next_state(...)              # window emptied, counters advanced
+  return updates, _next_state(...)              # counters advanced, the window closed
 """
 
 from __future__ import annotations
@@ -290,9 +290,9 @@ def _window_sum(acc: _core.Accumulator) -> Any:
 
   A closed window's sum stays in the accumulator until the next call, whose
   addition starts from these zeros instead, in the same pass. Emptying it when
-  the window closes would cost a pass more on every call that only accumulates
-  (the emitting branch reads the window after the addition has written it), or
-  a copy of it (XLA does not write a conditional's output in place).
+  the window closes would cost every call that only accumulates a pass more (a
+  select after the conditional, whose emitting branch reads the window), or a
+  copy of it (XLA does not write a conditional's output in place).
   """
   empty = jnp.asarray(acc.count) == 0
 
@@ -423,7 +423,7 @@ def _sharded_like(tree: Any, params: Any) -> Any:
     if not isinstance(leaf, jax.core.Tracer) and not isinstance(p, jax.core.Tracer):
       sharding = getattr(p, "sharding", None)  # None for NumPy parameters
       current = getattr(leaf, "sharding", None)
-      if sharding is None or current is not None and current.is_equivalent_to(sharding, leaf.ndim):
+      if sharding is None or (current and current.is_equivalent_to(sharding, leaf.ndim)):
         return leaf
       return jax.device_put(leaf, sharding)
     spec = getattr(jax.typeof(p).sharding, "spec", ())
@@ -554,7 +554,7 @@ def _step_inner(options, call, state, window) -> tuple[Any, Any, Any]:
 
 
 def _next_state(options, call, state, window, inner_state, last_noise) -> AccumulationState:
-  """The state after this call: the window emptied if it ended, counters advanced."""
+  """The state after this call: the window closed if it ended, counters advanced."""
   window_value = state.window_value
   if call.value is not None:
     window_value = jnp.where(
