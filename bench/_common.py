@@ -8,6 +8,7 @@ import importlib
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -63,6 +64,29 @@ def compiled_flops(jitted: Any, *args: Any, **kwargs: Any) -> float:
   """FLOPs XLA reports for one call of ``jitted(*args, **kwargs)``; nan if none."""
   costs = cost_analysis(jitted.lower(*args, **kwargs).compile())
   return float(costs.get("flops", float("nan")))
+
+
+_HLO_TYPES = {"float64": "f64", "float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+
+
+def full_size_copies(compiled: jax.stages.Compiled, like: Any) -> int:
+  """``copy`` instructions in ``compiled``'s HLO of arrays as large as ``like``'s largest.
+
+  A copy of a full-size array is a pass over memory that the computation did not
+  ask for: XLA inserts one where it cannot give an output the buffer of the input
+  it was computed from (donation paired that buffer with another output, or two
+  outputs share one value, such as the zeros of several update leaves). Static:
+  a copy in a conditional's branch counts whether or not the branch runs.
+  """
+  leaves = jax.tree.leaves(like)
+  largest = max(x.size for x in leaves)
+  shapes = {
+      f"{_HLO_TYPES.get(str(x.dtype), str(x.dtype))}[{','.join(map(str, x.shape))}]"
+      for x in leaves
+      if x.size == largest
+  }
+  copies = re.findall(r"= (\S+)\{[^}]*\} copy\(", compiled.as_text())
+  return sum(shape in shapes for shape in copies)
 
 
 def tree_nbytes(tree: Any) -> int:

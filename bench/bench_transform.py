@@ -15,11 +15,18 @@ on the last (a select); ``accum_jax.accumulate`` puts the inner update in a
 large for an optimizer with a costly update (Muon's Newton-Schulz iterations)
 and small for an elementwise one (Adam).
 
+The micro-step (a call that only accumulates; with Adam, the window never
+closing) is timed against its floor: a jitted ``acc + g`` returning zero
+updates, donated the same way, in the forms a user writes (see
+``MICRO_FORMS``), interleaved, each call blocked on. Beside the times, the
+number of full-size ``copy`` instructions in each compiled update
+(``_common.full_size_copies``): passes over memory nobody asked for.
+
 Run from the repository root::
 
   python bench/bench_transform.py            # full run, bench/results/transform.json
   python bench/bench_transform.py --quick    # smoke run, a few seconds
-  python bench/bench_transform.py --inner adam --dim 1024 --windows 15   # the issue's size
+  python bench/bench_transform.py --inner adam --dim 1024   # the issue's size
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from _common import (
     compiled_flops,
     cost_analysis,
     environment,
+    full_size_copies,
     markdown_table,
     time_samples,
     tree_nbytes,
@@ -157,7 +165,7 @@ class Runner:
     costs = cost_analysis(compiled)
     self.xla_flops = costs.get("flops", float("nan"))
     self.xla_bytes = costs.get("bytes accessed", float("nan"))
-    self.copy_ops = compiled.as_text().count(" copy(")
+    self.copies = full_size_copies(compiled, params)
 
   def call(self, i: int) -> Any:
     self.state, updates = self.step(self.state, self.grads[i], self.params)
@@ -265,7 +273,7 @@ def bench_inner(
           "executed_flops_per_call_est": runner.xla_flops
           - (k - inner_calls) / k * inner_flops,
           "xla_bytes_accessed_per_call": runner.xla_bytes,
-          "hlo_copy_ops": runner.copy_ops,
+          "full_size_copies": runner.copies,
           "state_bytes": runner.state_bytes,
           "emitting_call_index": emitted[key],
       }
@@ -284,6 +292,131 @@ def bench_inner(
         "implementations": results,
     })
   return entries
+
+
+# How a user jits one call, by name: which arguments are donated, and in which
+# order the state comes back. JAX gives each output, in order, the first donated
+# input buffer of its shape and dtype not yet taken.
+MICRO_FORMS = {
+    # step(state, grads, params) -> (state, updates), donate_argnums=0, as a
+    # TrainState step returns its state: each state leaf keeps its own buffer.
+    "state first": "state donated, returned first",
+    # jax.jit(tx.update, donate_argnums=1): the updates come first and take the
+    # first state leaves' buffers (the accumulator's); every parameter-shaped leaf
+    # after them moves one place down, a copy.
+    "tx.update": "jax.jit(tx.update, donate_argnums=1)",
+    # jax.jit(tx.update, donate_argnums=(0, 1)): the updates take the gradients'
+    # buffers, each state leaf keeps its own.
+    "tx.update, grads donated": "jax.jit(tx.update, donate_argnums=(0, 1))",
+}
+MICRO_TARGET = 1.30  # the largest accepted ratio micro-step / floor, donated
+
+
+def _floor_update(grads: Any, acc: Any, params: Any) -> tuple[Any, Any]:
+  """The floor of a call that only accumulates: ``acc + g``, and zero updates."""
+  del params
+  return jax.tree.map(jnp.zeros_like, grads), jax.tree.map(jnp.add, acc, grads)
+
+
+class MicroStep:
+  """One jitted update, in one of ``MICRO_FORMS``, with its state threaded through."""
+
+  def __init__(self, update: Callable, state: Any, params: Any, grads: Any, form: str):
+    self.state, self.params, self.grads = state, params, grads
+    self.donates_grads = form == "tx.update, grads donated"
+    if form == "state first":
+      jitted = jax.jit(lambda s, g, p: update(g, s, p)[::-1], donate_argnums=0)
+      self._run = lambda s, g: jitted(s, g, params)[0]
+      lowered = jitted.lower(state, grads, params)
+    else:
+      jitted = jax.jit(update, donate_argnums=(0, 1) if self.donates_grads else 1)
+      self._run = lambda s, g: jitted(g, s, params)[1]
+      lowered = jitted.lower(grads, state, params)
+    self.copies = full_size_copies(lowered.compile(), params)
+
+  def sample(self) -> float:
+    """Seconds of one call, blocked on; a donated gradient is made fresh first, untimed."""
+    grads = jax.tree.map(jnp.copy, self.grads) if self.donates_grads else self.grads
+    jax.block_until_ready(grads)
+    start = time.perf_counter()
+    self.state = jax.block_until_ready(self._run(self.state, grads))
+    return time.perf_counter() - start
+
+
+def bench_micro_step(
+    inner_name: str, params: Any, grads: Any, *, rounds: int, min_seconds: float
+) -> list[dict[str, Any]]:
+  """accumulate's micro-step against its floor, in every form, interleaved."""
+  # A window that never closes: every call only accumulates.
+  opt = accum_jax.accumulate(INNER_OPTIMIZERS[inner_name](), every_k=2**30)
+  runners = {}
+  for form in MICRO_FORMS:
+    runners["accum_jax", form] = MicroStep(opt.update, opt.init(params), params, grads, form)
+    acc = jax.tree.map(jnp.zeros_like, params)
+    runners["floor", form] = MicroStep(_floor_update, acc, params, grads, form)
+  for runner in runners.values():
+    runner.sample()  # compiled above; the first call still pays one-time costs
+  samples: dict[Any, list[float]] = {key: [] for key in runners}
+  keys = list(runners)
+  done, start = 0, time.perf_counter()
+  while done < rounds or time.perf_counter() - start < min_seconds:
+    # Each round starts one runner further, so that drift falls on all alike.
+    for key in keys[done % len(keys):] + keys[:done % len(keys)]:
+      samples[key].append(runners[key].sample())
+    done += 1
+  entries = []
+  for form in MICRO_FORMS:
+    ours, floor = runners["accum_jax", form], runners["floor", form]
+    ms = 1e3 * statistics.median(samples["accum_jax", form])
+    floor_ms = 1e3 * statistics.median(samples["floor", form])
+    entries.append({
+        "inner": inner_name,
+        "form": form,
+        "form_description": MICRO_FORMS[form],
+        "rounds": done,
+        "accum_jax_ms": ms,
+        "floor_ms": floor_ms,
+        "ratio": ms / floor_ms,
+        "target_ratio": MICRO_TARGET,
+        "accum_jax_full_size_copies": ours.copies,
+        "floor_full_size_copies": floor.copies,
+        "accum_jax_ms_samples": [1e3 * t for t in samples["accum_jax", form]],
+        "floor_ms_samples": [1e3 * t for t in samples["floor", form]],
+    })
+  return entries
+
+
+def _print_micro_report(entries: list[dict[str, Any]]) -> None:
+  rows = [
+      [
+          e["inner"],
+          e["form_description"],
+          f"{e['accum_jax_ms']:.3f}",
+          f"{e['floor_ms']:.3f}",
+          f"{e['ratio']:.2f}",
+          f"<= {e['target_ratio']:.2f}",
+          "yes" if e["ratio"] <= e["target_ratio"] else "NO",
+          e["accum_jax_full_size_copies"],
+          e["floor_full_size_copies"],
+      ]
+      for e in entries
+  ]
+  print(
+      markdown_table(
+          [
+              "inner",
+              "a call that only accumulates, jitted as",
+              "accum_jax ms",
+              "floor ms",
+              "ratio",
+              "target",
+              "met",
+              "full-size copies",
+              "floor's",
+          ],
+          rows,
+      )
+  )
 
 
 def _quartiles(samples: list[float]) -> tuple[float, float]:
@@ -305,6 +438,7 @@ def _print_report(config: dict[str, Any], per_inner: list[dict[str, Any]]) -> No
       "emitting call ms",
       "XLA GFLOP/call",
       "executed GFLOP/call (est.)",
+      "full-size copies",
       "state MiB",
   ]
   rows = []
@@ -321,6 +455,7 @@ def _print_report(config: dict[str, Any], per_inner: list[dict[str, Any]]) -> No
           f"{r['emitting_call_ms']:.3f}",
           f"{r['xla_flops_per_call'] / 1e9:.4g}",
           f"{r['executed_flops_per_call_est'] / 1e9:.4g}",
+          r["full_size_copies"],
           f"{r['state_bytes'] / 2**20:.2f}",
       ])
   rounds = ", ".join(sorted({f"{e['inner']} {e['rounds']}" for e in per_inner}))
@@ -385,6 +520,10 @@ def main(argv: list[str] | None = None) -> int:
   )
   parser.add_argument("--warmup", type=int, default=1, help="untimed windows first")
   parser.add_argument(
+      "--micro-rounds", type=int, default=40,
+      help="least interleaved rounds of the micro-step against its floor (0: skip them)",
+  )
+  parser.add_argument(
       "--inner", nargs="+", choices=sorted(INNER_OPTIMIZERS), default=list(INNER_OPTIMIZERS)
   )
   parser.add_argument("--seed", type=int, default=0)
@@ -398,6 +537,7 @@ def main(argv: list[str] | None = None) -> int:
   args = parser.parse_args(argv)
   if args.quick:
     args.num_layers, args.dim, args.windows, args.min_seconds = 2, 128, 3, 0.2
+    args.micro_rounds = min(args.micro_rounds, 5)
   if args.k < 2:
     parser.error(f"--k={args.k} must be >= 2: with k=1 nothing is accumulated.")
   name = args.name or ("transform_quick" if args.quick else "transform")
@@ -433,10 +573,21 @@ def main(argv: list[str] | None = None) -> int:
           donations=args.donation,
       )
   ]
+  micro = [
+      entry
+      for inner in args.inner
+      if args.micro_rounds > 0
+      for entry in bench_micro_step(
+          inner, params, grads[0], rounds=args.micro_rounds, min_seconds=args.min_seconds
+      )
+  ]
   config["total_seconds"] = time.perf_counter() - start
   config["load_average_end"] = environment()["load_average"]
   _print_report(config, per_inner)
-  path = write_json(name, {"config": config, "results": per_inner})
+  if micro:
+    print()
+    _print_micro_report(micro)
+  path = write_json(name, {"config": config, "results": per_inner, "micro_step": micro})
   print(f"\nwrote {path} in {config['total_seconds']:.0f} s")
   return 0
 
