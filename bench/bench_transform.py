@@ -310,6 +310,15 @@ MICRO_FORMS = {
     "tx.update, grads donated": "jax.jit(tx.update, donate_argnums=(0, 1))",
 }
 MICRO_TARGET = 1.30  # the largest accepted ratio micro-step / floor, donated
+# The rows of the micro-step table: a form, and accumulate's options. The last
+# shows what the gradient's finiteness check (a read of it that the floor does
+# not make) costs: the state-first form without it.
+MICRO_ROWS = [
+    ("state first", {}),
+    ("tx.update", {}),
+    ("tx.update, grads donated", {}),
+    ("state first", {"skip_nonfinite": False}),
+]
 
 
 def _floor_update(grads: Any, acc: Any, params: Any) -> tuple[Any, Any]:
@@ -346,14 +355,14 @@ class MicroStep:
 def bench_micro_step(
     inner_name: str, params: Any, grads: Any, *, rounds: int, min_seconds: float
 ) -> list[dict[str, Any]]:
-  """accumulate's micro-step against its floor, in every form, interleaved."""
-  # A window that never closes: every call only accumulates.
-  opt = accum_jax.accumulate(INNER_OPTIMIZERS[inner_name](), every_k=2**30)
+  """accumulate's micro-step against its floor, in every row of MICRO_ROWS, interleaved."""
   runners = {}
-  for form in MICRO_FORMS:
-    runners["accum_jax", form] = MicroStep(opt.update, opt.init(params), params, grads, form)
+  for i, (form, options) in enumerate(MICRO_ROWS):
+    # A window that never closes: every call only accumulates.
+    opt = accum_jax.accumulate(INNER_OPTIMIZERS[inner_name](), every_k=2**30, **options)
+    runners["accum_jax", i] = MicroStep(opt.update, opt.init(params), params, grads, form)
     acc = jax.tree.map(jnp.zeros_like, params)
-    runners["floor", form] = MicroStep(_floor_update, acc, params, grads, form)
+    runners["floor", i] = MicroStep(_floor_update, acc, params, grads, form)
   for runner in runners.values():
     runner.sample()  # compiled above; the first call still pays one-time costs
   samples: dict[Any, list[float]] = {key: [] for key in runners}
@@ -365,14 +374,15 @@ def bench_micro_step(
       samples[key].append(runners[key].sample())
     done += 1
   entries = []
-  for form in MICRO_FORMS:
-    ours, floor = runners["accum_jax", form], runners["floor", form]
-    ms = 1e3 * statistics.median(samples["accum_jax", form])
-    floor_ms = 1e3 * statistics.median(samples["floor", form])
+  for i, (form, options) in enumerate(MICRO_ROWS):
+    ours, floor = runners["accum_jax", i], runners["floor", i]
+    ms = 1e3 * statistics.median(samples["accum_jax", i])
+    floor_ms = 1e3 * statistics.median(samples["floor", i])
     entries.append({
         "inner": inner_name,
         "form": form,
         "form_description": MICRO_FORMS[form],
+        "options": options,
         "rounds": done,
         "accum_jax_ms": ms,
         "floor_ms": floor_ms,
@@ -380,8 +390,8 @@ def bench_micro_step(
         "target_ratio": MICRO_TARGET,
         "accum_jax_full_size_copies": ours.copies,
         "floor_full_size_copies": floor.copies,
-        "accum_jax_ms_samples": [1e3 * t for t in samples["accum_jax", form]],
-        "floor_ms_samples": [1e3 * t for t in samples["floor", form]],
+        "accum_jax_ms_samples": [1e3 * t for t in samples["accum_jax", i]],
+        "floor_ms_samples": [1e3 * t for t in samples["floor", i]],
     })
   return entries
 
@@ -390,7 +400,8 @@ def _print_micro_report(entries: list[dict[str, Any]]) -> None:
   rows = [
       [
           e["inner"],
-          e["form_description"],
+          e["form_description"]
+          + "".join(f", {k}={v}" for k, v in e["options"].items()),
           f"{e['accum_jax_ms']:.3f}",
           f"{e['floor_ms']:.3f}",
           f"{e['ratio']:.2f}",
