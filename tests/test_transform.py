@@ -482,6 +482,20 @@ def test_nonfinite_calls_are_skipped_and_the_accumulator_stays_finite():
   assert not tree_all_finite(jax.tree.map(lambda x: x[-1], optax_states.acc_grads))
 
 
+def test_large_finite_gradients_whose_sum_overflows_are_added_not_skipped():
+  # Each leaf is judged by its sum first; a sum of finite values can overflow
+  # float32 (2 x 3e38), and only then is every element looked at.
+  params = {"w": jnp.zeros(4)}
+  large = {"w": jnp.full(4, 3e38, jnp.float32)}
+  nan = {"w": jnp.array([3e38, 3e38, jnp.nan, 0.0], jnp.float32)}
+  _, updates, states = scan_updates(
+      _identity_accumulated(1), params, stack_trees([large, nan]), apply_updates=False
+  )
+  assert _ints(states.num_skipped) == [0, 1]
+  tree_allclose(unstack_tree(updates)[0], large)
+  _assert_zeros(unstack_tree(updates)[1])
+
+
 def test_skip_nonfinite_false_adds_nonfinite_gradients():
   params = make_params()
   (g,) = microbatch_grads(params, 1)
