@@ -142,7 +142,9 @@ def zeros_like(x: Any, dtype: Any = None) -> jax.Array:
     >>> _core.zeros_like(jnp.ones((2, 3)), jnp.bfloat16).dtype
     dtype(bfloat16)
   """
-  dtype = x.dtype if dtype is None else dtype
+  # JAX's own dtype: a numpy float64 leaf gives float32 zeros (unless x64 is on),
+  # as it would once traced, without a warning that float64 was asked for.
+  dtype = jax.dtypes.canonicalize_dtype(x.dtype if dtype is None else dtype)
   if isinstance(x, jax.ShapeDtypeStruct):
     sharding = x.sharding if isinstance(x.sharding, jax.sharding.NamedSharding) else None
     return jnp.zeros(x.shape, dtype, out_sharding=sharding)
@@ -398,13 +400,14 @@ def result(acc: Accumulator, like: Any, reduction: Reduction = "mean") -> Any:
   divisor = jnp.where(acc.weight > 0, acc.weight, 1.0)
 
   def finish(total, x):
+    dtype = jax.dtypes.canonicalize_dtype(x.dtype)  # a numpy float64 leaf: float32
     if is_narrow(total.dtype):  # total holds the mean
       if reduction == "mean":
-        return total.astype(x.dtype)
-      return (total.astype(jnp.float32) * acc.weight).astype(x.dtype)
+        return total.astype(dtype)
+      return (total.astype(jnp.float32) * acc.weight).astype(dtype)
     if reduction == "sum":
-      return total.astype(x.dtype)
-    return (total / divisor.astype(total.dtype)).astype(x.dtype)
+      return total.astype(dtype)
+    return (total / divisor.astype(total.dtype)).astype(dtype)
 
   return jax.tree.map(finish, acc.total, like)
 

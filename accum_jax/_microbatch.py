@@ -218,8 +218,13 @@ def _abstract(x: Any, dtype: Any = None) -> jax.ShapeDtypeStruct:
 
 def _trace_one(grad_fun, options, call, plan, args, kwargs) -> _Shapes:
   """The abstract outputs of one microbatch (a trace, no compile)."""
+  # JAX's own dtypes: a float64 numpy batch is float32 once traced (unless x64
+  # is on), and asking for float64 here would warn on every trace.
+  canonical = jax.dtypes.canonicalize_dtype
   mb = {
-      n: jax.tree.map(lambda x: jax.ShapeDtypeStruct((call.rows, *x.shape[1:]), x.dtype), args[n])
+      n: jax.tree.map(
+          lambda x: jax.ShapeDtypeStruct((call.rows, *x.shape[1:]), canonical(x.dtype)), args[n]
+      )
       for n in call.batch_argnums
   }
   state = args[options.state_argnums[0]] if options.state_argnums else None
@@ -230,10 +235,11 @@ def _trace_one(grad_fun, options, call, plan, args, kwargs) -> _Shapes:
       params, jax.tree.unflatten(jax.tree.structure(params), plan.leaves),
   )
   dev = _Device(grad_fun, options, call, None, plan, args, kwargs, None, None, None)
-  out = jax.eval_shape(
+  traced = jax.jit(
       lambda i, mb, state, p: _one_microbatch(dev, i, mb, state, jnp.float32(1.0), p),
-      0, mb, state, seen,
-  )
+  ).trace(0, mb, state, seen)
+  _options.check_float16(options, traced.jaxpr)
+  out = traced.out_info
   reductions = _aux_reductions(out.aux, options.aux_reduction, call.rows)
   # Gradients come back in the parameters' own shapes and dtypes.
   return _Shapes(out.raw_value, jax.tree.map(_abstract, params), out.aux, reductions)
@@ -610,7 +616,7 @@ def value_and_grad(
       for the gradients' own). Results are cast back.
     skip_nonfinite: skip, and count, a microbatch whose loss or gradient is
       not finite. None (default) means True, but must be given when a dynamic
-      loss scale is among the arguments.
+      loss scale is among the arguments or ``fun`` computes in float16.
     mesh: a ``jax.sharding.Mesh`` to run on: each device loops over its rows
       of the batch, and each gradient leaf is reduced as its parameter's
       sharding says (replicated: once per call; sharded over the data axis:

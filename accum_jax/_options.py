@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 
@@ -303,13 +304,32 @@ def _find_batch(options: Options, args: tuple[Any, ...]) -> tuple[int, ...]:
       i for i, arg in enumerate(args) if i not in taken and looks_like_batch(arg)
   )
   if not found:
+    roles = {name: nums for name, nums in options.roles().items() if nums}
+    others = " and ".join(f"{name}={nums}" for name, nums in roles.items())
     raise ValueError(
         f"No batch to split: none of the {len(args)} positional argument(s) other than"
-        f" argnums={options.argnums} is a pytree of arrays with a leading batch axis."
+        f" {others} is a pytree of arrays with a leading batch axis.{_taken_batch(roles, args)}"
         " Pass the batch positionally (keyword arguments are never split), or name it"
         " with batch_argnums=."
     )
   return found
+
+
+_TAKEN_AS = {"rng_argnums": "a PRNG key", "state_argnums": "the threaded state"}
+
+
+def _taken_batch(roles: dict[str, tuple[int, ...]], args: tuple[Any, ...]) -> str:
+  """The sentence naming an argument that looks like the batch but another role took."""
+  for name, what in _TAKEN_AS.items():
+    for n in roles.get(name, ()):
+      if n < len(args) and looks_like_batch(args[n]):
+        leaf = jax.tree.leaves(args[n])[0]
+        return (
+            f" {name}={roles[name]} takes argument {n}, which looks like a batch"
+            f" ({jnp.result_type(leaf)} of shape {jnp.shape(leaf)}), as {what}: if it is"
+            f" the batch, drop it from {name}."
+        )
+  return ""
 
 
 def _check_in_range(options: Options, batch: tuple[int, ...], num_args: int) -> None:
@@ -340,6 +360,19 @@ def _is_dynamic_loss_scale(x: Any) -> bool:
   return all(hasattr(x, a) for a in ("loss_scale", "counter", "adjust", "unscale"))
 
 
+_OVERFLOW_UNSEEN = (
+    "with skip_nonfinite left at its default (True), a microbatch whose scaled loss"
+    " overflows would be skipped, the gradient would come back finite, and the scale"
+    " would never see the overflow."
+)
+_LOSS_SCALE_RECIPES = (
+    " To let the scale see it, pass skip_nonfinite=False, so that an overflow makes the"
+    " gradient non-finite as on the whole batch (jmp.all_finite(grads) then lowers the"
+    " scale and the step is skipped); or pass skip_nonfinite=True with return_info=True"
+    " and count info.num_skipped > 0 as an overflow."
+)
+
+
 def _check_loss_scale(options: Options, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
   if options.skip_nonfinite_given:
     return
@@ -347,14 +380,49 @@ def _check_loss_scale(options: Options, args: tuple[Any, ...], kwargs: dict[str,
   where += [f"keyword argument {k!r}" for k, a in kwargs.items() if _is_dynamic_loss_scale(a)]
   if where:
     raise ValueError(
-        f"The {where[0]} is a dynamic loss scale: with skip_nonfinite left at its default"
-        " (True), a microbatch whose scaled loss overflows would be skipped, the gradient"
-        " would come back finite, and the scale would never see the overflow. Pass"
-        " skip_nonfinite=False, so that an overflow makes the gradient non-finite as on"
-        " the whole batch (jmp.all_finite(grads) then lowers the scale and the step is"
-        " skipped); or pass skip_nonfinite=True with return_info=True and count"
-        " info.num_skipped > 0 as an overflow."
+        f"The {where[0]} is a dynamic loss scale: {_OVERFLOW_UNSEEN}{_LOSS_SCALE_RECIPES}"
     )
+
+
+def check_float16(options: Options, jaxpr: Any) -> None:
+  """ValueError if one microbatch (``jaxpr``) computes in float16 and
+  ``skip_nonfinite`` is left at its default.
+
+  float16 overflows at 65504, so float16 training scales its loss, and a dynamic
+  scale must see each overflow. A scale passed as an argument is recognised by
+  :func:`bind`; one closed over by ``fun`` is not, but its float16 arithmetic
+  is, in the jaxpr of the microbatch. bfloat16 has float32's range and needs no
+  loss scale: it is not refused.
+  """
+  if options.skip_nonfinite_given:
+    return
+  found = _first_float16(jaxpr)
+  if found is not None:
+    primitive, aval = found
+    raise ValueError(
+        f"fun computes in float16 ({primitive} gives a float16 array of shape"
+        f" {tuple(aval.shape)}) and skip_nonfinite is left at its default (True): a"
+        " microbatch that overflows would be skipped and the gradient would come back"
+        " finite, so a dynamic loss scale, closed over by fun or passed to it, would never"
+        f" see the overflow.{_LOSS_SCALE_RECIPES} Without a loss scale, pass"
+        " skip_nonfinite=True to skip the microbatches that overflow (return_info=True"
+        " counts them). bfloat16 needs no loss scale and is not refused."
+    )
+
+
+def _first_float16(jaxpr: Any) -> tuple[str, Any] | None:
+  """The first equation of ``jaxpr`` (or of a jaxpr inside it) giving a float16 value."""
+  for eqn in jaxpr.eqns:
+    for var in eqn.outvars:
+      if getattr(var.aval, "dtype", None) == jnp.float16:
+        return eqn.primitive.name, var.aval
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, tuple | list) else (param,):
+        if isinstance(sub, jax.extend.core.ClosedJaxpr):
+          sub = sub.jaxpr
+        if isinstance(sub, jax.extend.core.Jaxpr) and (found := _first_float16(sub)):
+          return found
+  return None
 
 
 def bind(options: Options, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> Call:

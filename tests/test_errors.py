@@ -142,6 +142,9 @@ TRIGGERS: dict[str, Callable[[], object]] = {
     "a `jmp.DynamicLossScale` is an argument and `skip_nonfinite` is left at its default": (
         lambda: accum_jax.value_and_grad(lambda w, s, b: _loss(w, b), 2)(
             W, _dynamic_loss_scale(), jnp.ones((4, 3)))),
+    "`fun` computes in float16 (a loss scale closed over, or none) and `skip_nonfinite` is left"
+    " at its default": lambda: accum_jax.value_and_grad(
+        lambda w, b: _loss(w.astype(jnp.float16), b.astype(jnp.float16)), 2)(W, jnp.ones((4, 3))),
     "`gradient_noise=True` without `return_info=True`": lambda: _vg(gradient_noise=True),
     "`value` is not a scalar": lambda: accum_jax.accumulate(optax.sgd(0.1), every_k=2).update(
         {"w": W}, accum_jax.accumulate(optax.sgd(0.1), every_k=2).init({"w": W}), {"w": W},
@@ -217,6 +220,8 @@ TRIGGERS: dict[str, Callable[[], object]] = {
     "`batch_argnums=None` (the default) and no positional argument is a batch": lambda: _vg()(
         W, jnp.float32(1.0)
     ),
+    "`rng_argnums` (or `state_argnums`) names the only argument that looks like a batch": (
+        lambda: _vg(rng_argnums=1)(W, jnp.ones((4, 3)))),
     "the batch arguments hold no arrays": lambda: _vg(batch_argnums=1)(W, {}),
     "batch leaves have different leading (batch) sizes": lambda: _vg(batch_argnums=(1, 2))(
         W, jnp.ones((4, 3)), jnp.ones(6)
@@ -358,6 +363,24 @@ def test_a_concrete_weight_that_is_nan_or_infinite_raises_like_a_negative_one():
   for weight, shown in ((float("nan"), "nan"), (float("inf"), "inf"), (-np.inf, "-inf")):
     with pytest.raises(ValueError, match=re.escape(f"weight={shown} must be a finite number")):
       _sgd_update({"w": W}, weight=weight)
+
+
+def test_rng_argnums_naming_the_batch_says_that_it_took_it_as_a_key():
+  with pytest.raises(ValueError, match=re.escape(
+      "No batch to split: none of the 2 positional argument(s) other than argnums=(0,) and"
+      " rng_argnums=(1,) is a pytree of arrays with a leading batch axis. rng_argnums=(1,)"
+      " takes argument 1, which looks like a batch (float32 of shape (4, 3)), as a PRNG key:"
+      " if it is the batch, drop it from rng_argnums.")):
+    _vg(rng_argnums=1)(W, jnp.ones((4, 3)))
+
+
+def test_state_argnums_naming_the_batch_says_that_it_took_it_as_the_state():
+  fun = accum_jax.value_and_grad(lambda w, s: (_loss(w, s), (s, ())), 2, has_aux=True,
+                                 state_argnums=1)
+  with pytest.raises(ValueError, match=re.escape(
+      "state_argnums=(1,) takes argument 1, which looks like a batch (float32 of shape (4, 3)),"
+      " as the threaded state: if it is the batch, drop it from state_argnums.")):
+    fun(W, jnp.ones((4, 3)))
 
 
 def test_a_loss_that_is_not_a_scalar_gets_the_value_error_of_accum_jax_not_jax_type_error():

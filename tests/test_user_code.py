@@ -11,6 +11,7 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from helpers import normal, tree_allclose
 from jax.sharding import NamedSharding
@@ -96,6 +97,27 @@ def test_concat_of_an_aux_leaf_without_a_row_axis_is_refused():
   with pytest.raises(ValueError, match=re.escape("has shape (3,), with no leading axis of the"
                                                  " microbatch's 4 rows")):
     vg(make_params(), *make_data()[:2])
+
+
+def test_numpy_float64_and_int64_data_give_float32_results_without_a_warning():
+  # Data from numpy: float64 features, int64 labels, float64 parameters. JAX
+  # computes in float32, and asking it for float64 would warn on every call
+  # (pytest turns warnings into errors here).
+  params = jax.tree.map(lambda p: p.astype(np.float64), make_params())
+  x, y, _ = make_data()
+  x = x.astype(np.float64)
+  assert y.dtype == np.int64
+  expected = full_batch(logits_loss, params, x, y)
+  vg = accum_jax.value_and_grad(logits_loss, 4, has_aux=True)
+  for out in (jax.jit(vg)(params, x, y), vg(params, x, y)):  # compiled and eager
+    assert jax.tree.map(lambda a: a.dtype, out[1]) == {"w": jnp.float32, "b": jnp.float32}
+    tree_allclose(out, expected)
+  grads = jax.tree.map(lambda g: np.asarray(g, np.float64), expected[1])
+  opt = accum_jax.accumulate(optax.sgd(1.0), every_k=2)
+  state = opt.init(params)
+  for _ in range(2):  # eager calls, as a loop that never compiles makes them
+    updates, state = opt.update(grads, state, params)
+  tree_allclose(updates, jax.tree.map(lambda g: -g, expected[1]))
 
 
 # Integer aux.
@@ -301,7 +323,9 @@ def test_a_float16_accumulator_under_a_mesh_equals_the_float32_one():
   def loss(w, x):
     return jnp.mean((x @ w) ** 2)
 
-  narrow = jax.jit(accum_jax.grad(loss, 2, mesh=mesh, accumulator_dtype=None))(w, x)
-  wide = jax.jit(accum_jax.grad(loss, 2, mesh=mesh))(w, x)
+  # float16 arithmetic without a loss scale: skip_nonfinite is stated, not left at its default.
+  narrow = jax.jit(accum_jax.grad(loss, 2, mesh=mesh, accumulator_dtype=None,
+                                  skip_nonfinite=True))(w, x)
+  wide = jax.jit(accum_jax.grad(loss, 2, mesh=mesh, skip_nonfinite=True))(w, x)
   assert narrow.dtype == jnp.float16 and np.isfinite(narrow).all()
   np.testing.assert_allclose(narrow.astype(np.float32), wide.astype(np.float32), rtol=2e-3)
