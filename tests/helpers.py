@@ -7,9 +7,11 @@ accum_jax against the plain way of doing the same thing.
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -40,12 +42,17 @@ def _leaf_to_numpy(x: Any) -> np.ndarray:
   return x.astype(np.float64) if jnp.issubdtype(x.dtype, jnp.floating) else x
 
 
-def tree_allclose(a: Any, b: Any, rtol: float = RTOL, atol: float = ATOL) -> None:
-  """Asserts that two pytrees have one structure and leaves that are close.
+def _inexact(x: Any) -> bool:
+  return bool(jnp.issubdtype(jnp.result_type(x), jnp.inexact))
 
-  Floating leaves are compared with ``numpy.testing.assert_allclose`` after
-  widening to float64, NaNs in the same places counting as equal; integer and
-  bool leaves must be equal. The failure message names the leaf.
+
+def tree_allclose(a: Any, b: Any, rtol: float = RTOL, atol: float = ATOL) -> None:
+  """Asserts that two pytrees have one structure, one shape per leaf, and close leaves.
+
+  ``chex.assert_trees_all_close`` compares the leaves, NaNs in the same places
+  counting as equal; shapes must match exactly (no broadcasting of a scalar),
+  and integer and bool leaves (counts, flags) must be equal. The failure
+  message names the leaf.
 
   Args:
     a: the value under test.
@@ -53,16 +60,46 @@ def tree_allclose(a: Any, b: Any, rtol: float = RTOL, atol: float = ATOL) -> Non
     rtol: relative tolerance.
     atol: absolute tolerance.
   """
-  structure_a, structure_b = jax.tree.structure(a), jax.tree.structure(b)
-  assert structure_a == structure_b, f"{structure_a} != {structure_b}"
-  for (path, x), y in zip(jax.tree.leaves_with_path(a), jax.tree.leaves(b)):
-    x, y = _leaf_to_numpy(x), _leaf_to_numpy(y)
-    assert x.shape == y.shape, f"at {jax.tree_util.keystr(path)}: {x.shape} != {y.shape}"
-    message = f"at {jax.tree_util.keystr(path)}"
-    if jnp.issubdtype(x.dtype, jnp.inexact) or jnp.issubdtype(y.dtype, jnp.inexact):
-      np.testing.assert_allclose(x, y, rtol=rtol, atol=atol, err_msg=message)
-    else:  # bools and integers (counts, flags) must be equal
-      np.testing.assert_array_equal(x, y, err_msg=message)
+  chex.assert_trees_all_equal_shapes(a, b)
+  chex.assert_trees_all_close(a, b, rtol=rtol, atol=atol)
+  exact = jax.tree.map(lambda x, y: not (_inexact(x) or _inexact(y)), a, b)
+  chex.assert_trees_all_equal(
+      *(jax.tree.map(lambda keep, x: x if keep else 0, exact, tree) for tree in (a, b))
+  )
+
+
+def jit_traced_at_most(fun: Callable[..., Any], n: int = 1, **jit_options: Any) -> Any:
+  """``jax.jit(fun)``, failing with chex's message when ``fun`` is traced more than ``n`` times.
+
+  A trace is a compilation: ``n=1`` is the claim that later calls reuse the
+  first call's program. ``chex.assert_max_traces`` keys its count on where the
+  function was wrapped and its source, which a parametrised test or a
+  hypothesis example repeats, so the count is cleared first.
+  """
+  chex.clear_trace_counter()
+  return jax.jit(chex.assert_max_traces(fun, n), **jit_options)
+
+
+def with_and_without_jit(test: Callable[..., None]) -> Callable[..., None]:
+  """Runs ``test`` twice, as chex's ``variants(with_jit=True, without_jit=True)`` do.
+
+  ``jit``: as written. ``eager``: inside ``chex.fake_jit()``, where every
+  ``jax.jit`` (:func:`scan_updates` included) runs op by op and ``lax.scan`` and
+  ``lax.cond`` run as Python, as in a training loop that never compiles.
+  """
+
+  @functools.wraps(test)
+  def variant(*args: Any, jit: str, **kwargs: Any) -> None:
+    if jit == "jit":
+      return test(*args, **kwargs)
+    with chex.fake_jit():
+      return test(*args, **kwargs)
+
+  signature = inspect.signature(test)
+  variant.__signature__ = signature.replace(parameters=[  # type: ignore[attr-defined]
+      *signature.parameters.values(), inspect.Parameter("jit", inspect.Parameter.KEYWORD_ONLY)
+  ])
+  return pytest.mark.parametrize("jit", ["jit", "eager"])(variant)
 
 
 def tree_all_finite(tree: Any) -> bool:

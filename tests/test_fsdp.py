@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import tree_allclose
+from helpers import jit_traced_at_most, tree_allclose
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -216,10 +216,9 @@ def test_accumulate_works_under_an_explicit_sharding_mesh_and_compiles_once():
   opt = accum_jax.accumulate(optax.adam(1e-2), every_k=2)
   with jax.set_mesh(mesh):
     state = jax.jit(opt.init)(params)
-    update = jax.jit(opt.update)
+    update = jit_traced_at_most(opt.update)
     for _ in range(3):
       updates, state = update(params, state, params)
-  assert update._cache_size() == 1
   _assert_sharded_like(updates, params)
   _assert_sharded_like(state.acc_grads, params)
 

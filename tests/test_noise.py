@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import jit_traced_at_most
 
 import accum_jax
 from accum_jax import _noise
@@ -160,7 +161,7 @@ def run_noise_driven(monotone, calls=1500):
   w, grad = jnp.asarray(W), jax.grad(loss)
   rng = np.random.default_rng(4)
 
-  @jax.jit
+  @jit_traced_at_most  # one compile, however k changes
   def call(state, x, y):
     _, state = opt.update(grad(w, x, y, jnp.ones(2)), state, w, weight=2.0)
     return state
@@ -176,7 +177,6 @@ def run_noise_driven(monotone, calls=1500):
       assert calls_in_window == k  # k changes only between windows
       lengths.append(k)
       calls_in_window = 0
-  assert call._cache_size() == 1  # no recompilation when k changes
   b_simple = float(state.noise_ema.simple_noise_scale)
   # The next window's k is the average's B_simple in calls of 2 examples.
   assert int(state.window_length) == min(max(round(b_simple / 2), 2), 16) or monotone

@@ -33,6 +33,7 @@ from helpers import (
     tree_allclose,
     tree_weighted_mean,
     unstack_tree,
+    with_and_without_jit,
 )
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -89,6 +90,7 @@ def _ints(x):
 
 
 @pytest.mark.parametrize("inner_name", INNER_OPTIMIZER_PARAMS)
+@with_and_without_jit
 def test_k_calls_give_one_inner_step_on_the_mean_gradient(inner_name):
   k, windows = 3, 3
   params = make_params()
@@ -111,6 +113,7 @@ def test_k_calls_give_one_inner_step_on_the_mean_gradient(inner_name):
   assert _ints(accum_jax.optimizer_step(states)) == [(i + 1) // k for i in range(k * windows)]
 
 
+@with_and_without_jit
 def test_clipping_applies_to_the_accumulated_gradient():
   inner = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(1.0))
   params = {"w": jnp.zeros(2)}
@@ -206,6 +209,7 @@ def test_inner_update_executes_only_on_emitting_calls():
   assert step._cache_size() == 1
 
 
+@with_and_without_jit
 def test_inner_state_count_advances_only_on_updates():
   k = 3
   params = make_params()
@@ -231,6 +235,7 @@ def _lr_schedule(count):
         ),
     ],
 )
+@with_and_without_jit
 def test_learning_rate_schedule_counts_optimizer_steps(make_inner):
   k, windows = 2, 3
   params = {"w": jnp.zeros(3)}
@@ -299,6 +304,7 @@ def test_a_call_that_only_accumulates_copies_no_more_than_a_bare_add(form):
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
+@with_and_without_jit
 def test_weighted_calls_emit_the_weighted_mean_or_sum(reduction):
   k = 3
   params = make_params()
@@ -348,6 +354,7 @@ def test_negative_or_nan_weights_are_skipped_under_jit_and_refused_when_concrete
     opt.update(grads[0], state, weight=-1.0)
 
 
+@with_and_without_jit
 def test_unweighted_calls_count_as_weight_one():
   opt = _identity_accumulated(3)
 
@@ -387,6 +394,7 @@ def test_traced_flush_emits_the_partial_window_without_recompiling():
     _assert_zeros(emitted[i])
 
 
+@with_and_without_jit
 def test_python_bool_flush():
   opt = _identity_accumulated(4)
   g1, g2 = microbatch_grads(make_params(), 2)
@@ -405,6 +413,7 @@ def test_python_bool_flush():
   _assert_zeros(state.acc_grads)
 
 
+@with_and_without_jit
 def test_flush_drops_nothing_and_an_empty_window_flush_does_nothing():
   k = 3
   # The learning rate is the optimizer step + 1: the updates show both the
@@ -454,6 +463,7 @@ def test_flush_drops_nothing_and_an_empty_window_flush_does_nothing():
 # 6. Non-finite gradients.
 
 
+@with_and_without_jit
 def test_nonfinite_calls_are_skipped_and_the_accumulator_stays_finite():
   k = 3
   params = make_params()
@@ -496,6 +506,7 @@ def test_large_finite_gradients_whose_sum_overflows_are_added_not_skipped():
   _assert_zeros(unstack_tree(updates)[1])
 
 
+@with_and_without_jit
 def test_skip_nonfinite_false_adds_nonfinite_gradients():
   params = make_params()
   (g,) = microbatch_grads(params, 1)
@@ -669,6 +680,7 @@ def _scale_by_factor_arg():
   return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update)
 
 
+@with_and_without_jit
 def test_extra_args_reach_the_inner_optimizer_also_inside_chain():
   accumulated = accum_jax.accumulate(_scale_by_factor_arg(), 2)
   chained = optax.chain(optax.clip(100.0), accumulated)
@@ -691,6 +703,7 @@ def test_extra_args_reach_the_inner_optimizer_also_inside_chain():
   )
 
 
+@with_and_without_jit
 def test_inject_hyperparams_inner_keeps_working():
   inner = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
   opt = accum_jax.accumulate(inner, 2)
@@ -784,6 +797,7 @@ def _value_recorder(k, reduction="mean"):
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
+@with_and_without_jit
 def test_value_and_grad_given_to_the_inner_optimizer_are_the_windows(reduction):
   k = 4
   params = make_params()
@@ -850,6 +864,7 @@ def test_flush_none_is_no_flush_and_a_float_flush_is_an_error():
 # 11c. Narrow accumulators and complex parameters.
 
 
+@with_and_without_jit
 def test_float16_window_with_a_total_weight_of_1e5_applies_the_weighted_mean():
   # 1000 tokens x a gradient of 100, and a window weighing 1e5 in all: beyond
   # float16 as sums, finite as a mean.
@@ -869,6 +884,7 @@ def test_float16_window_with_a_total_weight_of_1e5_applies_the_weighted_mean():
     assert float(states.accumulator.weight[-2]) == 1e5 - 20000.0
 
 
+@with_and_without_jit
 def test_a_float16_sum_that_overflows_is_skipped_and_counted():
   params = {"w": jnp.zeros(1, jnp.float16)}
   grads = {"w": jnp.array([[30000.0], [30000.0], [30000.0], [1.0], [2.0], [3.0]], jnp.float16)}
