@@ -23,11 +23,32 @@ all were alive at once (temporaries are already packed by liveness inside
 ``temp``), less the outputs that reuse an input buffer. XLA also reports
 ``peak_memory_in_bytes``, but on CPU it leaves out the temporaries, so it is not
 used. The generated code is not counted.
+
+Under a mesh, a parameter sharded over a data axis can be reduced two ways
+(``gather=``, see :func:`accum_jax.value_and_grad`): ``"per_microbatch"`` keeps
+a sharded accumulator and reduce-scatters every microbatch's gradient, ``"once"``
+keeps a full-size local sum and reduce-scatters it once after the loop. Each is
+bisected, the leaner first, and the plan is the fastest that fits::
+
+  fewest microbatches first; at equal num_microbatches, gather="once"
+
+Fewer microbatches run fewer iterations of the loop, each of which reads every
+parameter (and gathers the sharded ones, unless XLA hoists the gather) and
+launches smaller matrix products; and at equal ``num_microbatches``,
+``"once"`` sends each gradient across devices once per step instead of once per
+microbatch, with no collective inside the loop (the same arithmetic otherwise).
+So the faster mode is bisected only up to the leaner mode's choice. Replicated
+parameters have one mode.
+
+The parameters' shardings are read from the arguments (arrays, or
+``jax.ShapeDtypeStruct`` with ``sharding=``) and passed on as ``param_sharding=``:
+under ``jax.jit`` with automatic mesh axes the traced step cannot see them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 from collections.abc import Callable, Iterable, Mapping
@@ -35,9 +56,12 @@ from typing import Any
 
 import jax
 
-from accum_jax import _batching, _microbatch, _options
+from accum_jax import _batching, _microbatch, _options, _sharding
 
 _MIB = 2**20
+# The gather modes of sharded parameters, the leanest first; at equal
+# num_microbatches the later one is the faster (no collective in the loop).
+_GATHERS = ("per_microbatch", "once")
 _FIXES = (
     "a smaller model; rematerialisation (wrap the model's blocks in jax.checkpoint, so"
     " activations are recomputed in the backward pass instead of stored); sharding the"
@@ -59,26 +83,50 @@ class MicrobatchPlan:
   Attributes:
     num_microbatches: the smallest candidate whose estimate fits the budget.
     estimates: the estimated peak bytes (per device) of each ``num_microbatches``
-      that was compiled, by ascending ``num_microbatches``. The bisection
-      compiles only a few candidates; the others are absent.
+      that was compiled with the chosen ``gather``, by ascending
+      ``num_microbatches``. The bisection compiles only a few candidates; the
+      others are absent.
     memory_budget_bytes: the budget the estimates were held against.
+    gather: under a mesh with parameters sharded over a data axis, the reduction
+      chosen, ``"per_microbatch"`` or ``"once"``: pass it to
+      :func:`accum_jax.value_and_grad` as ``gather=``. None where no parameter is
+      sharded over a data axis (nothing is gathered; leave the option out).
+    gather_estimates: with sharded parameters, the estimate of every ``(gather,
+      num_microbatches)`` compiled, the modes in the order above; empty otherwise.
   """
 
   num_microbatches: int
   estimates: Mapping[int, int]
   memory_budget_bytes: int
+  gather: str | None = None
+  gather_estimates: Mapping[tuple[str, int], int] = dataclasses.field(default_factory=dict)
 
   def __repr__(self) -> str:
-    lines = [
-        f"MicrobatchPlan(num_microbatches={self.num_microbatches},"
-        f" memory_budget_bytes={self.memory_budget_bytes}"
-        f" ({_format_bytes(self.memory_budget_bytes)}))",
-        "  num_microbatches   estimate (MiB)",
-    ]
-    for n, estimate in self.estimates.items():
+    budget = f"memory_budget_bytes={self.memory_budget_bytes}" + (
+        f" ({_format_bytes(self.memory_budget_bytes)}))"
+    )
+    if self.gather is None:
+      lines = [
+          f"MicrobatchPlan(num_microbatches={self.num_microbatches}, {budget}",
+          "  num_microbatches   estimate (MiB)",
+      ]
+      rows: list[tuple[tuple[str | None, int], int]] = [
+          ((None, n), e) for n, e in self.estimates.items()
+      ]
+    else:
+      lines = [
+          f"MicrobatchPlan(num_microbatches={self.num_microbatches},"
+          f" gather={self.gather!r}, {budget}",
+          f"  {'gather':<14}   num_microbatches   estimate (MiB)",
+      ]
+      rows = list(self.gather_estimates.items())
+    for (gather, n), estimate in rows:
       verdict = "fits" if estimate <= self.memory_budget_bytes else "over budget"
-      chosen = "  <- chosen" if n == self.num_microbatches else ""
-      lines.append(f"  {n:>16}   {estimate / _MIB:>14.3f}   {verdict}{chosen}")
+      chosen = (gather, n) == (self.gather, self.num_microbatches)
+      mode = "" if gather is None else f"  {gather:<14} "
+      lines.append(
+          f"{mode}  {n:>16}   {estimate / _MIB:>14.3f}   {verdict}{'  <- chosen' if chosen else ''}"
+      )
     return "\n".join(lines)
 
 
@@ -86,14 +134,24 @@ class MemoryBudgetError(ValueError):
   """No candidate ``num_microbatches`` fits the memory budget.
 
   Attributes:
-    estimates: the estimated bytes of each ``num_microbatches`` compiled.
+    estimates: the estimated bytes of each ``num_microbatches`` compiled (with
+      sharded parameters: with the leaner ``gather="per_microbatch"``).
     memory_budget_bytes: the budget.
+    gather_estimates: with sharded parameters, the estimate of every ``(gather,
+      num_microbatches)`` compiled; empty otherwise.
   """
 
-  def __init__(self, message: str, estimates: Mapping[int, int], memory_budget_bytes: int):
+  def __init__(
+      self,
+      message: str,
+      estimates: Mapping[int, int],
+      memory_budget_bytes: int,
+      gather_estimates: Mapping[tuple[str, int], int] | None = None,
+  ):
     super().__init__(message)
     self.estimates = estimates
     self.memory_budget_bytes = memory_budget_bytes
+    self.gather_estimates = dict(gather_estimates or {})
 
 
 def _estimate_bytes(
@@ -155,17 +213,78 @@ def _check_budget(memory_budget_bytes: Any) -> int:
   return int(float(memory_budget_bytes))
 
 
-def _local_batch_size(args: tuple[Any, ...], options: Mapping[str, Any]) -> tuple[int, int]:
-  """The batch size each device splits into microbatches (padded), and the number of devices."""
+def _bind(args: tuple[Any, ...], options: Mapping[str, Any]) -> _options.Call:
+  """The call's roles and sizes for one microbatch: ``rows`` is the batch size each
+  device splits into microbatches (padded)."""
   parsed = _options.make(1, **options)
   try:
-    call = _options.bind(parsed, args)
+    return _options.bind(parsed, args)
   except ValueError as e:
     raise ValueError(
         f"{e} (plan_microbatches got {len(args)} argument(s) to plan with: pass the step's"
         " arguments, arrays or jax.ShapeDtypeStruct, after fun.)"
     ) from e
-  return call.rows, call.num_shards
+
+
+def read_param_sharding(args: tuple[Any, ...], options: Mapping[str, Any]) -> Any:
+  """``param_sharding=`` for ``value_and_grad(**options)`` called on ``args``.
+
+  The option itself where given; else, under a mesh, each differentiated leaf's
+  ``PartitionSpec`` read from the argument (a ``jax.Array`` or a
+  ``jax.ShapeDtypeStruct`` with a ``NamedSharding``), None where it has none.
+  Under ``jax.jit`` with automatic axes the traced function cannot read them
+  itself. None without a mesh.
+  """
+  given = options.get("param_sharding")
+  if given is not None or (options.get("mesh") is None and options.get("data_axis") is None):
+    return given
+  params = _microbatch.diff_args(_options.make(1, **options), args)
+  return jax.tree.map(lambda x: _sharding.spec_of(x), params)
+
+
+def _gathers(
+    call: _options.Call, args: tuple[Any, ...], options: Mapping[str, Any]
+) -> tuple[str | None, ...]:
+  """The reductions to compare: both gather modes where a parameter is sharded over
+  a data axis (unless ``gather=`` is given), else one (None)."""
+  if call.mesh is None:
+    return (None,)
+  params = _microbatch.diff_args(_options.make(1, **options), args)
+  plan = _sharding.plan(
+      call.mesh, call.data_axes, params, param_sharding=options.get("param_sharding")
+  )
+  if not plan.sharded:
+    return (None,)
+  return (options["gather"],) if "gather" in options else _GATHERS
+
+
+def _first_fit(estimate: Callable[[int], int], ordered: list[int], budget: int) -> int | None:
+  """Bisection: the index of the first candidate whose estimate fits, or None."""
+  lo, hi = 0, len(ordered)
+  while lo < hi:
+    mid = (lo + hi) // 2
+    if estimate(ordered[mid]) <= budget:
+      hi = mid
+    else:
+      lo = mid + 1
+  return lo if lo < len(ordered) else None
+
+
+def _search(
+    estimate: Callable[[str | None, int], int],
+    ordered: list[int],
+    budget: int,
+    gathers: tuple[str | None, ...],
+) -> tuple[str | None, int] | None:
+  """The fastest ``(gather, num_microbatches)`` that fits: fewest microbatches first;
+  at a tie the later gather mode. Each mode is bisected only up to the choice so far."""
+  best: tuple[int, str | None] | None = None
+  for gather in gathers:
+    stop = len(ordered) if best is None else best[0] + 1
+    found = _first_fit(functools.partial(estimate, gather), ordered[:stop], budget)
+    if found is not None:
+      best = (found, gather)
+  return None if best is None else (best[1], ordered[best[0]])
 
 
 def _check_candidates(
@@ -214,6 +333,14 @@ def plan_microbatches(
   analysis. The estimate covers the gradient step only: leave room in the
   budget for the optimizer update.
 
+  Under ``mesh=`` with parameters sharded over a data axis, both reductions
+  (``gather="per_microbatch"`` and ``gather="once"``) are compiled, and the plan
+  is the fastest that fits: the fewest microbatches, and at equal
+  ``num_microbatches`` ``gather="once"`` (no collective inside the loop). The
+  parameters' shardings are read from ``args`` (arrays, or
+  ``jax.ShapeDtypeStruct(..., sharding=...)``) unless ``param_sharding=`` is
+  given; the step needs them as ``param_sharding=`` too.
+
   See the guide: :doc:`/planner_parity`.
 
   Args:
@@ -225,11 +352,13 @@ def plan_microbatches(
     candidates: the ``num_microbatches`` to choose from, each dividing the
       (per-device) batch size. None (default): all its divisors.
     **value_and_grad_options: the options of :func:`accum_jax.value_and_grad`
-      as the step will use them.
+      as the step will use them. With ``gather=`` given, only that reduction
+      is compiled.
 
   Returns:
     A :class:`MicrobatchPlan`: ``num_microbatches``, the ``estimates`` of the
-    candidates compiled, and the ``memory_budget_bytes`` used.
+    candidates compiled, the ``memory_budget_bytes`` used and, with sharded
+    parameters, the ``gather`` chosen and the ``gather_estimates`` of both.
 
   Raises:
     MemoryBudgetError: (a ``ValueError``) when no candidate fits.
@@ -264,41 +393,67 @@ def plan_microbatches(
     budget = _default_budget()
   else:
     budget = _check_budget(memory_budget_bytes)
-  local_batch, num_shards = _local_batch_size(args, value_and_grad_options)
-  ordered = _check_candidates(
-      candidates, local_batch, bool(value_and_grad_options.get("pad_batch", False))
+  call = _bind(args, value_and_grad_options)
+  options = dict(value_and_grad_options)
+  if (param_sharding := read_param_sharding(args, options)) is not None:
+    options["param_sharding"] = param_sharding
+  gathers = _gathers(call, args, options)
+  ordered = _check_candidates(candidates, call.rows, bool(options.get("pad_batch", False)))
+
+  estimates: dict[tuple[str | None, int], int] = {}
+
+  def estimate(gather: str | None, n: int) -> int:
+    if (gather, n) not in estimates:
+      with_gather = options if gather is None else {**options, "gather": gather}
+      estimates[gather, n] = _estimate_bytes(fun, n, args, with_gather)
+    return estimates[gather, n]
+
+  chosen = _search(estimate, ordered, budget, gathers)
+  # Sorted by mode (in the order compared), then by num_microbatches.
+  estimates = dict(sorted(estimates.items(), key=lambda kv: (gathers.index(kv[0][0]), kv[0][1])))
+  by_mode = {g: {n: e for (g2, n), e in estimates.items() if g2 == g} for g in gathers}
+  gather_estimates = {(g, n): e for (g, n), e in estimates.items() if g is not None}
+  if chosen is None:
+    raise _no_fit(estimates, by_mode[gathers[0]], gather_estimates, ordered, call, budget)
+  gather, n = chosen
+  return MicrobatchPlan(
+      num_microbatches=n, estimates=by_mode[gather], memory_budget_bytes=budget,
+      gather=gather, gather_estimates=gather_estimates,
   )
 
-  estimates: dict[int, int] = {}
-  lo, hi = 0, len(ordered)
-  while lo < hi:
-    mid = (lo + hi) // 2
-    n = ordered[mid]
-    estimates[n] = _estimate_bytes(fun, n, args, value_and_grad_options)
-    if estimates[n] <= budget:
-      hi = mid
-    else:
-      lo = mid + 1
-  estimates = dict(sorted(estimates.items()))
 
-  if lo == len(ordered):
-    smallest_n = min(estimates, key=estimates.__getitem__)
-    listed = ", ".join(f"{n}: {_format_bytes(e)}" for n, e in estimates.items())
-    more = ""
-    if ordered[-1] < local_batch:
-      more = (
-          f" The candidates stop at {ordered[-1]}; up to {local_batch} microbatches"
-          " divide the batch, and more may fit."
-      )
-    per_device = f" per device ({num_shards} devices)" if num_shards > 1 else ""
-    raise MemoryBudgetError(
-        f"No num_microbatches among {ordered} fits memory_budget_bytes={budget}"
-        f" ({_format_bytes(budget)}){per_device}: the smallest estimate is"
-        f" {_format_bytes(estimates[smallest_n])}, for num_microbatches={smallest_n} (estimates"
-        f" by num_microbatches: {listed}).{more} To fit, try {_FIXES}.",
-        estimates,
-        budget,
+def _no_fit(
+    estimates: Mapping[tuple[str | None, int], int],
+    leanest: Mapping[int, int],
+    gather_estimates: Mapping[tuple[str, int], int],
+    ordered: list[int],
+    call: _options.Call,
+    budget: int,
+) -> MemoryBudgetError:
+  """The error when nothing fits: the smallest estimate, every estimate, what to try."""
+  smallest = min(estimates, key=estimates.__getitem__)
+  gather, smallest_n = smallest
+
+  def name(key: tuple[str | None, int]) -> str:
+    return f"{key[1]}" if key[0] is None else f"({key[0]!r}, {key[1]})"
+
+  listed = ", ".join(f"{name(k)}: {_format_bytes(e)}" for k, e in estimates.items())
+  more = ""
+  if ordered[-1] < call.rows:
+    more = (
+        f" The candidates stop at {ordered[-1]}; up to {call.rows} microbatches"
+        " divide the batch, and more may fit."
     )
-  return MicrobatchPlan(
-      num_microbatches=ordered[lo], estimates=estimates, memory_budget_bytes=budget
+  per_device = f" per device ({call.num_shards} devices)" if call.num_shards > 1 else ""
+  modes = " with either gather mode" if len({g for g, _ in estimates}) > 1 else ""
+  which = "by num_microbatches" if gather is None else "by (gather, num_microbatches)"
+  with_gather = "" if gather is None else f", gather={gather!r}"
+  return MemoryBudgetError(
+      f"No num_microbatches among {ordered} fits memory_budget_bytes={budget}"
+      f" ({_format_bytes(budget)}){per_device}{modes}: the smallest estimate is"
+      f" {_format_bytes(estimates[smallest])}, for num_microbatches={smallest_n}{with_gather}"
+      f" (estimates {which}: {listed}).{more} To fit, try {_FIXES}.",
+      dict(leanest),
+      budget,
+      gather_estimates,
   )

@@ -222,7 +222,7 @@ def _broadcast_prefix(prefix: Any, tree: Any) -> list[Any]:
 
   try:
     out = jax.tree_util.tree_map(
-        lambda p, sub: [p] * len(jax.tree.leaves(sub)), prefix, tree, is_leaf=is_spec
+        lambda p, sub: _Repeated([p] * len(jax.tree.leaves(sub))), prefix, tree, is_leaf=is_spec
     )
   except ValueError as e:
     raise ValueError(
@@ -230,8 +230,12 @@ def _broadcast_prefix(prefix: Any, tree: Any) -> list[Any]:
         f" differentiated argument(s) with those at its leaves (None: read from the"
         f" parameter); it does not match them: {e}"
     ) from e
-  flat = jax.tree.leaves(out, is_leaf=lambda x: isinstance(x, list))
-  return [spec for group in flat for spec in group]
+  return [spec for group in jax.tree.leaves(out) for spec in group]
+
+
+class _Repeated(list):
+  """One prefix entry per leaf below it: a pytree leaf (a list subclass is not a
+  pytree node), so that lists inside the parameters' tree are not taken for it."""
 
 
 def _cast(x: jax.Array, dtype: Any) -> jax.Array:

@@ -1,12 +1,17 @@
 """Tests of accum_jax._planner: choosing num_microbatches from compiled memory."""
 
+import functools
 import math
 import re
 
 import jax
 import jax.numpy as jnp
 import pytest
+from helpers import normal, tree_allclose
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
+import accum_jax
 from accum_jax import _planner
 from accum_jax._planner import MemoryBudgetError, MicrobatchPlan, plan_microbatches
 
@@ -248,3 +253,227 @@ def test_with_pad_batch_any_number_of_microbatches_is_a_candidate(monkeypatch):
   plan = plan_microbatches(mlp_loss, *mlp_args(batch_size=10), memory_budget_bytes=30,
                            pad_batch=True, weight_fn=lambda batch: batch["y"].size)
   assert plan.num_microbatches == 4  # the first n with 100 // n <= 30, among 1..10
+
+
+# Under a mesh: an MLP whose layers (a list) are sharded over the 8 devices of
+# the data axis (FSDP) and whose head is replicated. The batch is sharded too,
+# so that each device's argument holds its own rows.
+MESH_BATCH, MESH_WIDTH = 2048, 128
+MESH_SPECS = {"layers": [P(None, "data"), P("data", None), P("data", None)], "head": P()}
+
+
+def deep_loss(params, batch):
+  hidden = batch["x"]
+  for w in params["layers"]:
+    hidden = jnp.tanh(hidden @ w)
+  return jnp.mean((hidden @ params["head"] - batch["y"]) ** 2)
+
+
+@functools.cache
+def data_mesh():
+  return jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+
+
+def sharded_args(concrete=False):
+  """The arguments with their shardings: shapes only, or arrays placed so."""
+  mesh = data_mesh()
+  width = MESH_WIDTH
+  shapes = {"layers": [(16, width), (width, width), (width, width)], "head": (width, 1)}
+  params = jax.tree.map(
+      lambda shape, spec: (shape, NamedSharding(mesh, spec)), shapes, MESH_SPECS,
+      is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(d, int) for d in x),
+  )
+  rows = NamedSharding(mesh, P("data"))
+  batch = {"x": ((MESH_BATCH, 16), rows), "y": ((MESH_BATCH, 1), rows)}
+
+  def make(shape_and_sharding, seed=[0]):  # noqa: B006 (a counter, for distinct values)
+    shape, sharding = shape_and_sharding
+    if not concrete:
+      return jax.ShapeDtypeStruct(shape, jnp.float32, sharding=sharding)
+    seed[0] += 1
+    return jax.device_put(normal(seed[0], shape, 0.3), sharding)
+
+  is_pair = lambda x: isinstance(x, tuple) and isinstance(x[1], NamedSharding)  # noqa: E731
+  return jax.tree.map(make, (params, batch), is_leaf=is_pair)
+
+
+MESH_OPTIONS = {"mesh": data_mesh(), "data_axis": "data"}
+
+
+@pytest.fixture(scope="module")
+def mode_estimates():
+  """Each (gather, n)'s bytes from its own compile, with param_sharding given."""
+  found = {}
+  for gather in ("per_microbatch", "once"):
+    for n in (1, 16):
+      vg = accum_jax.value_and_grad(
+          deep_loss, n, param_sharding=MESH_SPECS, gather=gather, **MESH_OPTIONS
+      )
+      stats = jax.jit(vg).lower(*sharded_args()).compile().memory_analysis()
+      found[gather, n] = (
+          stats.argument_size_in_bytes + stats.output_size_in_bytes
+          + stats.temp_size_in_bytes - stats.alias_size_in_bytes
+      )
+  return found
+
+
+@pytest.fixture
+def compiled_once(monkeypatch, mode_estimates):
+  """The planner's compiles replaced by the fixture's (the same programs), recorded."""
+  asked = []
+
+  def known(fun, num_microbatches, args, options):
+    asked.append((options.get("gather"), num_microbatches))
+    return mode_estimates[options["gather"], num_microbatches]
+
+  monkeypatch.setattr(_planner, "_estimate_bytes", known)
+  return asked
+
+
+def test_sharded_parameters_give_two_modes_each_estimated_as_its_compiled_step(mode_estimates):
+  # Parameters hold more than activations at 16 microbatches: the full-size sum
+  # of gather="once" costs more than the sharded accumulator, at every n.
+  assert mode_estimates["once", 16] > mode_estimates["per_microbatch", 16]
+  assert mode_estimates["once", 1] > mode_estimates["per_microbatch", 1]
+  assert mode_estimates["per_microbatch", 1] > mode_estimates["per_microbatch", 16]
+  budget = (mode_estimates["per_microbatch", 16] + mode_estimates["once", 16]) // 2
+  # The shardings are read from the ShapeDtypeStructs: no param_sharding given.
+  plan = plan_microbatches(
+      deep_loss, *sharded_args(), memory_budget_bytes=budget, candidates=[16], **MESH_OPTIONS
+  )
+  assert (plan.gather, plan.num_microbatches) == ("per_microbatch", 16)
+  assert plan.gather_estimates == {
+      ("per_microbatch", 16): mode_estimates["per_microbatch", 16],
+      ("once", 16): mode_estimates["once", 16],
+  }
+  assert plan.estimates == {16: mode_estimates["per_microbatch", 16]}
+
+
+def test_a_budget_only_per_microbatch_fits_picks_it(mode_estimates, compiled_once):
+  budget = (mode_estimates["per_microbatch", 16] + mode_estimates["once", 16]) // 2
+  plan = plan_microbatches(
+      deep_loss, *sharded_args(), memory_budget_bytes=budget, candidates=[1, 16], **MESH_OPTIONS
+  )
+  assert (plan.gather, plan.num_microbatches) == ("per_microbatch", 16)
+  assert all(e > budget for (g, _), e in plan.gather_estimates.items() if g == "once")
+
+
+def test_a_roomy_budget_picks_one_microbatch_gathered_once(mode_estimates, compiled_once):
+  plan = plan_microbatches(
+      deep_loss, *sharded_args(), memory_budget_bytes=HUGE_BUDGET, candidates=[1, 16],
+      **MESH_OPTIONS,
+  )
+  assert (plan.gather, plan.num_microbatches) == ("once", 1)
+  assert plan.estimates == {1: mode_estimates["once", 1]}
+  # "once" is bisected only up to per_microbatch's choice, here 1.
+  assert ("once", 16) not in compiled_once
+
+
+def test_fewer_microbatches_win_over_gathering_once(mode_estimates, compiled_once):
+  budget = (mode_estimates["per_microbatch", 1] + mode_estimates["once", 1]) // 2
+  assert budget > mode_estimates["once", 16]  # gather="once" fits, with 16 microbatches
+  plan = plan_microbatches(
+      deep_loss, *sharded_args(), memory_budget_bytes=budget, candidates=[1, 16], **MESH_OPTIONS
+  )
+  assert (plan.gather, plan.num_microbatches) == ("per_microbatch", 1)
+
+
+def test_the_chosen_plan_runs_and_equals_the_full_batch(mode_estimates, compiled_once):
+  budget = (mode_estimates["per_microbatch", 16] + mode_estimates["once", 16]) // 2
+  params, batch = sharded_args(concrete=True)
+  plan = plan_microbatches(
+      deep_loss, params, batch, memory_budget_bytes=budget, candidates=[1, 16], **MESH_OPTIONS
+  )
+  assert (plan.gather, plan.num_microbatches) == ("per_microbatch", 16)
+  vg = accum_jax.value_and_grad(
+      deep_loss, plan.num_microbatches, gather=plan.gather, param_sharding=MESH_SPECS,
+      **MESH_OPTIONS,
+  )
+  value, grads = jax.jit(vg)(params, batch)
+  on_one_device = jax.device_put((params, batch), jax.devices()[0])
+  tree_allclose((value, grads), jax.jit(jax.value_and_grad(deep_loss))(*on_one_device))
+  for g, p in zip(jax.tree.leaves(grads), jax.tree.leaves(params)):
+    assert g.sharding.is_equivalent_to(p.sharding, g.ndim)
+
+
+def gather_of(asked_options):
+  return [options.get("gather") for options in asked_options]
+
+
+def record_modes(monkeypatch, estimate):
+  """A fake compile by (gather, n); returns the (gather, n) asked for, in order."""
+  asked = []
+
+  def fake(fun, num_microbatches, args, options):
+    asked.append((options.get("gather"), num_microbatches))
+    return estimate(options.get("gather"), num_microbatches)
+
+  monkeypatch.setattr(_planner, "_estimate_bytes", fake)
+  return asked
+
+
+def lean_and_fast(gather, n):
+  """Falls with n; gathering once costs 20 more at every n."""
+  return 100 // n + (20 if gather == "once" else 0)
+
+
+@pytest.mark.parametrize(
+    "budget, chosen",
+    [
+        (40, ("per_microbatch", 4)), (45, ("once", 4)), (200, ("once", 1)),
+        (21, ("per_microbatch", 8)),
+    ],
+)
+def test_the_rule_is_fewest_microbatches_then_gather_once(monkeypatch, budget, chosen):
+  asked = record_modes(monkeypatch, lean_and_fast)
+  plan = plan_microbatches(deep_loss, *sharded_args(), memory_budget_bytes=budget,
+                           candidates=[1, 2, 4, 8, 16], **MESH_OPTIONS)
+  assert (plan.gather, plan.num_microbatches) == chosen
+  n = chosen[1]
+  assert all(m <= n for g, m in asked if g == "once"), asked
+  assert plan.gather_estimates == {k: lean_and_fast(*k) for k in asked}
+
+
+def test_replicated_parameters_have_one_mode(monkeypatch):
+  asked = record_modes(monkeypatch, lean_and_fast)
+  plan = plan_microbatches(deep_loss, *sharded_args(), memory_budget_bytes=40,
+                           param_sharding=P(), **MESH_OPTIONS)
+  assert plan.gather is None and plan.gather_estimates == {}
+  assert {g for g, _ in asked} == {None}
+  assert plan.num_microbatches == 4 and plan.estimates[4] == 25
+
+
+def test_a_given_gather_is_the_only_mode_compiled(monkeypatch):
+  asked = record_modes(monkeypatch, lean_and_fast)
+  plan = plan_microbatches(deep_loss, *sharded_args(), memory_budget_bytes=40, gather="once",
+                           **MESH_OPTIONS)
+  assert {g for g, _ in asked} == {"once"}
+  assert (plan.gather, plan.num_microbatches) == ("once", 8)  # 100 // 8 + 20 = 32
+
+
+def test_repr_with_two_modes_names_the_gather_chosen(monkeypatch):
+  record_modes(monkeypatch, lambda gather, n: 2**20 * lean_and_fast(gather, n) // 10)
+  plan = plan_microbatches(deep_loss, *sharded_args(), memory_budget_bytes=45 * 2**20 // 10,
+                           candidates=[2, 4], **MESH_OPTIONS)
+  lines = repr(plan).splitlines()
+  assert lines[0] == (
+      "MicrobatchPlan(num_microbatches=4, gather='once',"
+      " memory_budget_bytes=4718592 (4.50 MiB))"
+  )
+  assert re.fullmatch(r"\s+gather\s+num_microbatches\s+estimate \(MiB\)", lines[1])
+  assert re.fullmatch(r"\s+per_microbatch\s+4\s+2\.500\s+fits", lines[3]), lines
+  assert re.fullmatch(r"\s+once\s+2\s+7\.000\s+over budget", lines[4]), lines
+  assert re.fullmatch(r"\s+once\s+4\s+4\.500\s+fits  <- chosen", lines[5]), lines
+
+
+def test_nothing_fits_in_either_mode_lists_both(monkeypatch):
+  record_modes(monkeypatch, lean_and_fast)
+  with pytest.raises(MemoryBudgetError) as info:
+    plan_microbatches(deep_loss, *sharded_args(), memory_budget_bytes=5, candidates=[8, 16],
+                      **MESH_OPTIONS)
+  message = str(info.value)
+  assert "per device (8 devices) with either gather mode" in message
+  assert "for num_microbatches=16, gather='per_microbatch'" in message
+  assert "('per_microbatch', 16): 6 bytes" in message and "('once', 16): 26 bytes" in message
+  assert info.value.estimates == {16: 6}
+  assert info.value.gather_estimates[("once", 16)] == 26
