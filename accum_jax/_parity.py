@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from accum_jax import _microbatch, _options, _sharding
+from accum_jax import _microbatch, _options, _planner, _sharding
 
 # Names of batch leaves that hold per-element validity or weights.
 _MASK_NAMES = ("mask", "valid", "padding", "weight")
@@ -233,6 +233,10 @@ def check_parity(
   reductions are chosen by you. The whole batch must fit in memory: check on a
   batch as large as fits, with the options of the real step.
 
+  Under ``mesh=``, the microbatched step runs as it would in training, the
+  parameters' shardings read from the arrays (FSDP, HSDP) unless
+  ``param_sharding=`` is given, and the reference runs on one device.
+
   A leaf passes when ``max |micro - full| <= atol + rtol * max |full|``. The
   default ``rtol`` depends on the leaf's dtype: ``max(1e-5, 4 * eps)``, that is
   1e-5 for float32 (summing in another order leaves float32 gradients a few
@@ -255,6 +259,8 @@ def check_parity(
     in ``rng_argnums`` repeats one draw in every microbatch.
   - Microbatches skipped for a non-finite loss or gradient, and a full-batch
     result that is itself not finite.
+  - Under a mesh, ``gather_dtype`` or ``reduce_dtype`` narrower than the
+    parameters: rounding by design.
   - Otherwise, a deviation within 100 times the default ``rtol``, which may be
     round-off; and what microbatching assumes of the loss.
 
@@ -299,6 +305,11 @@ def check_parity(
     rtol = _check_tolerance("rtol", rtol)
   options = dict(value_and_grad_options)
   options.pop("return_info", None)
+  # Under jax.jit with automatic mesh axes the step cannot see how the
+  # parameters are sharded: read it here, so that the mode checked is the
+  # step's (FSDP, HSDP), not the replicated one.
+  if (param_sharding := _planner.read_param_sharding(args, options)) is not None:
+    options["param_sharding"] = param_sharding
   argnums = options.get("argnums", 0)
   if not isinstance(argnums, numbers.Integral):
     argnums = _options.argnums_tuple(argnums, "argnums")
@@ -311,7 +322,9 @@ def check_parity(
     return (out[0] if has_aux else out), grads, info
 
   micro_loss, micro_grads, info = run_micro(options)
-  full_out, full_grads = jax.jit(jax.value_and_grad(fun, argnums, has_aux=has_aux))(*args)
+  full_out, full_grads = jax.jit(jax.value_and_grad(fun, argnums, has_aux=has_aux))(
+      *_on_one_device(args)
+  )
   full_loss = full_out[0] if has_aux else full_out
   per_leaf, rtols, round_off = _compare(
       (micro_loss, micro_grads), (full_loss, full_grads), rtol, atol
@@ -350,6 +363,18 @@ def check_parity(
   )
 
 
+def _on_one_device(args: tuple[Any, ...]) -> tuple[Any, ...]:
+  """``args`` with every array on one device: the reference is the plain full batch,
+  not a sharded computation. Arrays this process cannot hold whole stay as they are."""
+  leaves = [x for x in jax.tree.leaves(args) if isinstance(x, jax.Array)]
+  if not leaves or not all(x.is_fully_addressable for x in leaves):
+    return args
+  device = jax.local_devices()[0]
+  return jax.tree.map(
+      lambda x: jax.device_put(x, device) if isinstance(x, jax.Array) else x, args
+  )
+
+
 def _diagnose(
     *,
     args: tuple[Any, ...],
@@ -374,6 +399,7 @@ def _diagnose(
       *_non_finite_reference(full),
       *_state_causes(parsed.state_argnums, full_aux),
       *_key_causes(args, parsed.rng_argnums),
+      *_transport_causes(parsed, args),
   ]
   hints = by_design + _skipped_hints(num_skipped)
   conclusive = bool(hints)
@@ -456,6 +482,28 @@ def _key_causes(args: tuple[Any, ...], rng_nums: tuple[int, ...]) -> list[str]:
         " parity with dropout off."
     )
   return causes
+
+
+def _transport_causes(options: _options.Options, args: tuple[Any, ...]) -> list[str]:
+  """Sharded parameters gathered, or gradients reduced, in a narrower dtype."""
+  if not options.data_parallel:
+    return []
+  params = _microbatch.diff_args(options, args)
+  widest = max((jnp.finfo(jnp.result_type(x)).bits for x in jax.tree.leaves(params)
+                if jnp.issubdtype(jnp.result_type(x), jnp.floating)), default=0)
+  narrow = [
+      f"{name}={jnp.dtype(dtype).name}" for name, dtype in (
+          ("gather_dtype", options.gather_dtype), ("reduce_dtype", options.reduce_dtype))
+      if dtype is not None and jnp.finfo(dtype).bits < widest
+  ]
+  if not narrow:
+    return []
+  return [
+      f"{' and '.join(narrow)}: the sharded parameters (gather_dtype) or the gradients"
+      " crossing devices (reduce_dtype) are rounded to a narrower dtype than the"
+      " full batch computes in, by design. Check parity without them to test the rest"
+      " of the step, or pass an rtol of that dtype (e.g. 3.1e-2 for bfloat16)."
+  ]
 
 
 def _unexplained_hints(

@@ -7,6 +7,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import test_sharded as sharded
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from accum_jax._parity import LeafDeviation, ParityReport, _default_rtol, check_parity
 
@@ -253,3 +256,48 @@ def test_a_raw_key_missing_from_rng_argnums_is_named_as_the_cause():
   assert not report.ok
   assert any("Argument(s) [2] hold a PRNG key not named in rng_argnums" in hint
              for hint in report.hints), report.hints
+
+
+# Under a mesh: the layouts of test_sharded.py (FSDP over 8 devices, HSDP over
+# replica 2 x fsdp 4), the parameters' shardings read from the arrays.
+@pytest.mark.parametrize("layout", ["fsdp", "hsdp"])
+def test_sharded_parameters_are_checked_against_the_single_device_full_batch(layout):
+  mesh, data_axis, _, params, batch = sharded._place(layout)
+  report = check_parity(sharded.loss_fn, params, batch, num_microbatches=2, mesh=mesh,
+                        data_axis=data_axis)
+  assert report.ok, report
+  assert report.max_rel <= 1e-5
+  assert len(report.per_leaf) == 1 + len(params)
+
+
+def test_the_step_checked_gathers_the_sharded_parameters_as_it_would():
+  # gather_dtype applies to parameters sharded over the data axis only: the
+  # deviation is bfloat16's where the mode checked is FSDP's, and 0 where the
+  # parameters were taken as replicated.
+  mesh, data_axis, _, params, batch = sharded._place("fsdp")
+  report = check_parity(sharded.loss_fn, params, batch, num_microbatches=2, mesh=mesh,
+                        data_axis=data_axis, gather_dtype=jnp.bfloat16)
+  assert not report.ok
+  assert 1e-4 < report.max_rel < 3e-2
+  assert len(report.hints) == 1, report.hints
+  assert report.hints[0].startswith("gather_dtype=bfloat16: the sharded parameters")
+
+
+def test_the_mask_diagnosis_counts_each_devices_microbatches():
+  mesh, data_axis, _, params, _ = sharded._place("fsdp")
+  data = sharded.make_batch()
+  mask = np.ones((sharded.BATCH, 1), np.float32)
+  mask[[0, 2, 9]] = 0.0  # valid rows per microbatch (2 rows): 1, 1 on device 0; 1, 2 on 2
+  batch = jax.device_put({**data, "mask": mask}, NamedSharding(mesh, P(data_axis)))
+
+  def masked_loss(params, batch):
+    errors = sharded.loss_fn_rows(params, batch)
+    return jnp.sum(batch["mask"] * errors) / jnp.sum(batch["mask"] * jnp.ones_like(errors))
+
+  report = check_parity(masked_loss, params, batch, num_microbatches=2, mesh=mesh,
+                        data_axis=data_axis)
+  assert not report.ok
+  hint = report.hints[0]
+  assert "it sums to 1, 1, 2, 2, 1, 2, 2, 2, ... in the 16 microbatches" in hint
+  assert "(2 on each of 8 devices)" in hint
+  assert "(checked: it restores parity)" in hint
