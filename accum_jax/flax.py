@@ -102,6 +102,51 @@ def _kind(arg: Any) -> str:
   return f"{type(arg).__name__} (an NNX graph node)"
 
 
+def _is_spec(x: Any) -> bool:
+  return isinstance(x, (jax.sharding.PartitionSpec, jax.sharding.NamedSharding))
+
+
+def _variable_specs(state: Any) -> Any:
+  """Per Variable of ``state``, the ``PartitionSpec`` of its sharding metadata
+  (``nnx.with_partitioning``, ``sharding_rules`` applied), None where it names no
+  mesh axis: such a Variable's sharding is read from its array, as without
+  metadata."""
+  specs = nnx.get_partition_spec(state)
+  return jax.tree.map(
+      lambda spec: spec if _is_spec(spec) and any(e is not None for e in spec) else None,
+      specs, is_leaf=_is_spec,
+  )
+
+
+def _core_param_sharding(
+    given: Any, diff: Any, node_nums: tuple[int, ...], diff_nums: tuple[int, ...],
+    single: bool, num_plain: int,
+) -> Any:
+  """``param_sharding`` as the core door sees the differentiated arguments: the
+  graph nodes' variables in one ``nnx.State`` keyed by node, then plain arrays.
+
+  ``given`` is shaped like the gradients returned (a prefix of each argnum's:
+  an ``nnx.State`` or dict for a graph node); None derives the graph nodes'
+  from their Variables' sharding metadata.
+  """
+  if _is_spec(given):
+    return given
+  if given is None:
+    node_specs = _variable_specs(diff)
+    plain: tuple[Any, ...] = (None,) * num_plain
+  else:
+    per_argnum = dict(zip(diff_nums, (given,) if single else tuple(given)))
+
+    def pure(spec: Any) -> Any:
+      return nnx.to_pure_dict(spec) if isinstance(spec, nnx.State) else spec
+
+    node_specs = nnx.State({j: pure(per_argnum[node_nums[j]]) for j in diff})
+    plain = tuple(per_argnum[i] for i in diff_nums if i not in node_nums)
+  if single:
+    return node_specs if diff else plain[0]
+  return ((node_specs,) if diff else ()) + plain
+
+
 def nnx_value_and_grad(
     fun: Callable[..., Any],
     num_microbatches: int,
@@ -137,7 +182,12 @@ def nnx_value_and_grad(
     rng_argnums: arguments holding a raw PRNG key to fold the microbatch index
       into. An ``nnx.Rngs`` needs none.
     **options: other options of :func:`accum_jax.value_and_grad`, such as
-      ``weight_fn``, ``aux_reduction``, ``accumulator_dtype``, ``return_info``.
+      ``weight_fn``, ``aux_reduction``, ``accumulator_dtype``, ``return_info``,
+      ``mesh``. Under a mesh, ``param_sharding`` defaults to the Variables'
+      sharding metadata (``nnx.with_partitioning``, as ``nnx.get_partition_spec``
+      reads it), so annotated parameters sharded over the data axis take the
+      FSDP path; given, it is shaped like the gradients returned (a
+      ``PartitionSpec``, or an ``nnx.State`` or dict of them per graph node).
 
   Returns:
     A function of ``fun``'s arguments returning ``loss, grads`` (or ``(loss,
@@ -279,6 +329,13 @@ def nnx_value_and_grad(
     # Plain arrays, not Variables, are the scan carry: a Variable may only be
     # changed at the trace level that made it.
     core_args += [diff, nnx.as_pure(state)]
+    core_options = dict(options)
+    if options.get("mesh") is not None or options.get("data_axis") is not None:
+      # Under nnx.jit the traced arrays cannot say how they are sharded; the
+      # Variables' metadata can.
+      core_options["param_sharding"] = _core_param_sharding(
+          options.get("param_sharding"), diff, node_nums, diff_nums, single, len(plain_diff)
+      )
     vg = _microbatch.value_and_grad(
         pure,
         num_microbatches,
@@ -287,7 +344,7 @@ def nnx_value_and_grad(
         rng_argnums=rng_nums or None,
         state_argnums=n + 1,
         has_aux=True,
-        **options,
+        **core_options,
     )
     (loss, (new_state, aux)), core_grads, *info = vg(*core_args, **kwargs)
     nnx.update(nodes, new_state)

@@ -26,6 +26,7 @@ from linen_model import loss_fn as linen_loss
 
 import accum_jax
 import accum_jax.flax
+import accum_jax.testing
 
 NUM_MICROBATCHES = 4
 BATCH_SIZE = 32
@@ -535,3 +536,64 @@ def test_nnx_value_and_grad_errors_from_the_core_name_the_users_argument_numbers
   )
   with pytest.raises(ValueError, match=re.escape("Keyword argument rngs= holds an NNX graph")):
     keyword_only(MnistCNN(rngs=nnx.Rngs(0)), _mnist_batch(0), rngs=nnx.Rngs(1))
+
+
+# ---------------------------------------------------------------------------
+# NNX on a mesh: the official sharding pattern (nnx.with_partitioning metadata,
+# with_sharding_constraint in an nnx.jit-ed create) reaches the FSDP mode.
+
+
+class _ShardedMLP(nnx.Module):
+  def __init__(self, rngs: nnx.Rngs):
+    init = nnx.initializers.lecun_normal()
+    self.hidden = nnx.Linear(
+        16, 32, rngs=rngs, kernel_init=nnx.with_partitioning(init, ("data", None)),
+        bias_init=nnx.with_partitioning(nnx.initializers.normal(0.1), ("data",)),
+    )
+    self.out = nnx.Linear(32, 3, rngs=rngs, kernel_init=nnx.with_partitioning(init, ("data", None)))
+
+  def __call__(self, x):
+    return self.out(jnp.tanh(self.hidden(x)))
+
+
+@nnx.jit
+def _create_sharded_mlp():
+  model = _ShardedMLP(nnx.Rngs(0))
+  state = nnx.state(model)
+  nnx.update(model, jax.lax.with_sharding_constraint(state, nnx.get_partition_spec(state)))
+  return model
+
+
+def _nnx_sharded_loss(model, x, y):
+  return jnp.mean((model(x) - y) ** 2)
+
+
+@pytest.mark.parametrize("given", [False, True], ids=["from the metadata", "param_sharding"])
+def test_nnx_value_and_grad_reaches_fsdp_from_the_variables_sharding_metadata(given):
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+  with jax.set_mesh(mesh):
+    model = _create_sharded_mlp()
+  rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+  rng = np.random.default_rng(0)
+  x = jax.device_put(rng.standard_normal((BATCH_SIZE, 16)).astype(np.float32), rows)
+  y = jax.device_put(rng.standard_normal((BATCH_SIZE, 3)).astype(np.float32), rows)
+  options = {"mesh": mesh, "data_axis": "data"}
+  if given:
+    options["param_sharding"] = nnx.get_partition_spec(nnx.state(model, nnx.Param))
+  vg = accum_jax.flax.nnx_value_and_grad(_nnx_sharded_loss, 2, **options)
+  compiled = nnx.jit(vg).lower(model, x, y).compile()
+  loss, grads = nnx.jit(vg)(model, x, y)
+
+  graphdef, params = nnx.split(model)
+  plain = nnx.merge(graphdef, jax.device_put(params, jax.devices()[0]))
+  expected = nnx.value_and_grad(_nnx_sharded_loss)(plain, *jax.device_put((x, y), jax.devices()[0]))
+  tree_allclose((loss, nnx.to_pure_dict(grads)), (expected[0], nnx.to_pure_dict(expected[1])))
+  sharded = 0
+  for g, p in zip(jax.tree.leaves(grads), jax.tree.leaves(nnx.state(model, nnx.Param))):
+    assert g.sharding.is_equivalent_to(p.sharding, g.ndim), (g.sharding, p.sharding)
+    sharded += not p.sharding.is_fully_replicated
+  assert sharded == 3  # both kernels and the hidden bias; the output bias is replicated
+  found = accum_jax.testing.collectives(compiled.as_text(), mesh)
+  per_microbatch = [c for c in found if c.in_loop and not c.in_branch]
+  assert sorted(c.kind for c in per_microbatch if c.kind != "all-reduce") == ["reduce-scatter"] * 3
+  assert all(c.axes == ("data",) for c in per_microbatch)
