@@ -217,6 +217,12 @@ def filter_value_and_grad(
       for :func:`accum_jax.value_and_grad`.
     **options: other options of :func:`accum_jax.value_and_grad`, such as
       ``aux_reduction``, ``accumulator_dtype``, ``mesh``, ``return_info``.
+      ``param_sharding`` (for FSDP under ``eqx.filter_jit``, where the traced
+      arrays cannot say how they are sharded) is a prefix of the model's
+      floating-point arrays, ``eqx.filter(model, eqx.is_inexact_array)``: the
+      model's structure with a ``NamedSharding`` or ``PartitionSpec`` at each
+      such array and None elsewhere, e.g. the tree given to ``eqx.filter_shard``,
+      or one ``PartitionSpec`` for all.
 
   Returns:
     A function with ``fun``'s signature returning what

@@ -22,6 +22,7 @@ import pytest
 
 import accum_jax
 import accum_jax.equinox
+import accum_jax.testing
 from tests.helpers import normal, tree_allclose
 
 NUM_DEVICES = 8
@@ -482,3 +483,51 @@ def test_equinox_cnn_example_matches_sequential_calls_and_learns():
 # Every ```python block of the Equinox guide runs as written.
 
 # The guide's blocks run in tests/test_docs.py with every other docs page.
+
+
+# ---------------------------------------------------------------------------
+# FSDP: Equinox has no sharding metadata, so param_sharding is given, shaped
+# like the model with a sharding at each floating array (None elsewhere).
+
+
+def test_fsdp_param_sharding_shaped_like_the_model_passes_through():
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  # Automatic axes: under jax.jit the traced arrays cannot say how they are sharded.
+  mesh = jax.make_mesh((NUM_DEVICES,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+  model = eqx.nn.MLP(16, 3, width_size=32, depth=1, activation=jnp.tanh, key=jr.key(0))
+  specs = {(0, "weight"): P("data", None), (0, "bias"): P("data"), (1, "weight"): P(None, "data")}
+
+  def sharding_of(path, x):
+    index, name = path[-2].idx, path[-1].name
+    return NamedSharding(mesh, specs.get((index, name), P()))
+
+  # eqx.filter leaves None at the activation functions: a prefix of what is
+  # differentiated (the floating arrays).
+  shardings = jax.tree_util.tree_map_with_path(sharding_of, eqx.filter(model, eqx.is_array))
+  model = eqx.filter_shard(model, shardings)
+  rows = NamedSharding(mesh, P("data"))
+  x = jax.device_put(normal(0, (BATCH_SIZE, 16)), rows)
+  y = jax.device_put(normal(1, (BATCH_SIZE, 3)), rows)
+
+  def loss_fn(model, x, y):
+    return jnp.mean((jax.vmap(model)(x) - y) ** 2)
+
+  vg = eqx.filter_jit(accum_jax.equinox.filter_value_and_grad(
+      loss_fn, NUM_MICROBATCHES, mesh=mesh, data_axis="data", param_sharding=shardings
+  ))
+  loss, grads = vg(model, x, y)
+  arrays, rest = eqx.partition((model, x, y), eqx.is_array)
+  on_one_device = eqx.combine(jax.device_put(arrays, jax.devices()[0]), rest)
+  expected = eqx.filter_value_and_grad(loss_fn)(*on_one_device)
+  tree_allclose((loss, grads), expected)
+  sharded = 0
+  for g, p in zip(jax.tree.leaves(grads), jax.tree.leaves(eqx.filter(model, eqx.is_array))):
+    assert g.sharding.is_equivalent_to(p.sharding, g.ndim), (g.sharding, p.sharding)
+    sharded += not p.sharding.is_fully_replicated
+  assert sharded == 3
+  compiled = vg.lower(model, x, y).compile().compiled  # jax's, under Equinox's wrapper
+  found = accum_jax.testing.collectives(compiled.as_text(), mesh)
+  per_microbatch = [c.kind for c in found if c.in_loop and not c.in_branch]
+  assert sorted(per_microbatch) == ["all-reduce"] + ["reduce-scatter"] * 3, per_microbatch
