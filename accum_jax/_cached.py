@@ -16,7 +16,12 @@ embeddings, and only the embedding is done chunk by chunk::
 Under a mesh the same steps run per device inside ``jax.shard_map``
 (:func:`_data_parallel`): each device embeds its rows, the embeddings are
 all-gathered for the loss, each device pulls back its own rows' cotangents, and
-the gradient sums are all-reduced once, after both loops.
+the gradient sums are all-reduced once, after both loops. Parameters sharded
+over the data axis follow the reduction plan of the other door
+(``_sharding.plan``): gathered for both passes, each chunk's gradient
+reduce-scattered into a sharded accumulator (or, with ``gather="once"``, a
+full-size sum reduce-scattered once); the loss's direct gradient, the same on
+every device, is added to this device's shard.
 """
 
 from __future__ import annotations
@@ -102,6 +107,7 @@ class _Devices(NamedTuple):
   axis: tuple[str, ...] | None  # None: one device, no collectives
   shard: jax.Array | None  # this device's index along the axis
   num: int
+  plan: _sharding.Plan | None = None  # where each parameter is gathered and reduced
 
   def gather(self, tree: Any) -> Any:
     """The whole batch's rows, in batch order (device order), on every device."""
@@ -119,17 +125,37 @@ class _Devices(NamedTuple):
         tree,
     )
 
+  def own_shards(self, grads: Any) -> Any:
+    """This device's shard of each sharded leaf of full-size ``grads`` that every
+    device holds alike (the loss's direct gradient, a merged running mean)."""
+    plan = self.plan
+    if plan is None or not plan.sharded:
+      return grads
+
+    def shard(x, leaf):
+      for dim, axes in leaf.gathers:
+        size = x.shape[dim] // _sharding.num_shards(plan.mesh, axes)
+        x = jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(axes) * size, size, dim)
+      return x
+
+    leaves = [shard(x, leaf) for x, leaf in zip(jax.tree.leaves(grads), plan.leaves)]
+    return jax.tree.unflatten(plan.treedef, leaves)
+
   def reduce(self, acc: _core.Accumulator) -> _core.Accumulator:
-    """The devices' gradient sums added: the one reduction of the step."""
+    """The devices' gradient sums added: the one reduction of the step (sharded
+    leaves reduce-scattered, per chunk or here, as the plan says)."""
     if self.axis is None:
       return acc
     if any(_core.is_narrow(x.dtype) for x in jax.tree.leaves(acc.total)):
-      return _core.merge(acc, self.axis)  # running means, weighed by the devices' weights
+      # Running means, weighed by the devices' weights (full-size: gather="once").
+      merged = _core.merge(acc, self.axis)
+      return merged._replace(total=self.own_shards(merged.total))
     # Every device adds the same number of chunks, so only the sums travel.
-    return acc._replace(
-        total=jax.lax.psum(acc.total, self.axis), weight=acc.weight * self.num,
-        count=acc.count * self.num,
-    )
+    if self.plan is not None and self.plan.sharded:
+      total = _sharding.reduce_grads(self.plan, acc.total)
+    else:
+      total = jax.lax.psum(acc.total, self.axis)
+    return acc._replace(total=total, weight=acc.weight * self.num, count=acc.count * self.num)
 
 
 _ONE_DEVICE = _Devices(None, None, 1)
@@ -246,9 +272,16 @@ def _loss(loss_fn, options, call, args, kwargs, embeddings, devices) -> _Loss:
   return _Loss(value, aux, grads[:-1], devices.own_rows(grads[-1]))
 
 
-def _pull_back(embed_fn, options, call, args, kwargs, cotangents, devices) -> _core.Accumulator:
-  """Pass 2: each chunk embedded again under ``jax.vjp``, its cotangents pulled back."""
+def _pull_back(
+    embed_fn, options, call, args, kwargs, cotangents, devices, shards
+) -> _core.Accumulator:
+  """Pass 2: each chunk embedded again under ``jax.vjp``, its cotangents pulled back.
+
+  Under a plan that reduce-scatters per chunk, each chunk's gradient is
+  reduce-scattered into an accumulator of this device's ``shards``.
+  """
   diff = tuple(args[n] for n in options.argnums)
+  scatter = devices.plan is not None and devices.plan.scatters_per_microbatch
 
   def body(acc, xs):
     index, chunk, cotangent = xs
@@ -261,9 +294,10 @@ def _pull_back(embed_fn, options, call, args, kwargs, cotangents, devices) -> _c
       return embed_fn(*embed_args, **kwargs)
 
     _, pull = jax.vjp(embed, *diff)
+    grads = _sharding.scatter(devices.plan, pull(cotangent), acc.total)
     # Every term enters the sum: dropping one would bias the gradient silently;
     # a non-finite step is judged as a whole in _finalise.
-    acc, _ = _core.add(acc, pull(cotangent), skip_nonfinite=False)
+    acc, _ = _core.add(acc, grads, skip_nonfinite=False)
     return acc, None
 
   xs = (
@@ -271,14 +305,18 @@ def _pull_back(embed_fn, options, call, args, kwargs, cotangents, devices) -> _c
       {n: _split(options, args[n]) for n in call.batch_argnums},
       _split(options, cotangents),
   )
-  start = _core.init(diff, options.accumulator_dtype)
+  start = _core.init(shards if scatter else diff, options.accumulator_dtype)
   acc, _ = jax.lax.scan(jax.named_call(body, name="accum_jax_pull_back"), start, xs)
   return acc
 
 
 def _finalise(options, args, loss: _Loss, acc: _core.Accumulator, devices) -> Any:
-  """The direct gradient added, the sum cast to the parameters' dtypes, judged finite."""
-  acc, _ = _core.add(acc, loss.direct, skip_nonfinite=False)
+  """The direct gradient added, the sum cast to the parameters' dtypes, judged finite.
+
+  Every device computed the same loss, so its direct gradient is added once (a
+  sharded leaf's: this device's shard of it).
+  """
+  acc, _ = _core.add(acc, devices.own_shards(loss.direct), skip_nonfinite=False)
   diff = tuple(args[n] for n in options.argnums)
   grads = _core.result(acc, diff, "sum")
   value = loss.value
@@ -302,23 +340,47 @@ def _finalise(options, args, loss: _Loss, acc: _core.Accumulator, devices) -> An
 
 
 def _step(embed_fn, loss_fn, options, call, kwargs, args, devices) -> Any:
-  """One call on one device (or one device's rows of the batch)."""
-  embeddings = _embed(embed_fn, options, call, args, kwargs, devices)
-  loss = _loss(loss_fn, options, call, args, kwargs, embeddings, devices)
-  acc = _pull_back(embed_fn, options, call, args, kwargs, loss.cotangents, devices)
+  """One call on one device (or one device's rows of the batch and shards of the
+  parameters, gathered for both passes: XLA would hoist a gather per chunk)."""
+  shards = tuple(args[n] for n in options.argnums)
+  full = list(args)
+  for n, x in zip(options.argnums, _sharding.gather(devices.plan, shards)):
+    full[n] = x
+  embeddings = _embed(embed_fn, options, call, full, kwargs, devices)
+  loss = _loss(loss_fn, options, call, full, kwargs, embeddings, devices)
+  acc = _pull_back(embed_fn, options, call, full, kwargs, loss.cotangents, devices, shards)
   return _finalise(options, args, loss, devices.reduce(acc), devices)
 
 
-def _data_parallel(step, args, *, batch_argnums, mesh, axis: tuple[str, ...]) -> Any:
+def _in_specs(args, batch_argnums, argnums, plan: _sharding.Plan) -> list[P]:
+  """Per leaf of ``args``: the batch split over the data axes, the parameters as
+  the plan says (its leaves follow ``argnums``' order), anything else replicated."""
+  sizes = [len(jax.tree.leaves(args[n])) for n in argnums]
+  starts = np.cumsum([0, *sizes])
+  by_argnum = {
+      n: [leaf.spec for leaf in plan.leaves[starts[k]:starts[k + 1]]]
+      for k, n in enumerate(argnums)
+  }
+  specs: list[P] = []
+  for n, arg in enumerate(args):
+    count = len(jax.tree.leaves(arg))
+    if n in batch_argnums:
+      specs += [P(plan.axes)] * count
+    else:
+      specs += by_argnum.get(n, [P()] * count)
+  return specs
+
+
+def _data_parallel(step, args, *, batch_argnums, argnums, plan: _sharding.Plan, out_specs) -> Any:
   """``step`` on each device's rows of the batch, inside ``jax.shard_map``.
 
-  The parameters are taken replicated over ``axis`` (sharded parameters are
-  gathered whole on each device); everything ``step`` returns is the same on
-  every device. Non-array leaves of the arguments stay outside ``shard_map``.
+  The parameters enter as the plan says: replicated over the data axes, or this
+  device's shard (gathered in the step, reduce-scattered back). Non-array
+  leaves of the arguments stay outside ``shard_map``.
   """
+  mesh, axis = plan.mesh, plan.axes
   leaves, treedef = jax.tree.flatten(args)
-  specs = [P(axis) if n in batch_argnums else P() for n, arg in enumerate(args)
-           for _ in jax.tree.leaves(arg)]
+  specs = _in_specs(args, batch_argnums, argnums, plan)
   at = [i for i, x in enumerate(leaves) if isinstance(x, (jax.Array, np.ndarray, np.generic))]
   dynamic, dynamic_specs = [leaves[i] for i in at], [specs[i] for i in at]
   if jax.sharding.AxisType.Explicit in mesh.axis_types:
@@ -329,15 +391,27 @@ def _data_parallel(step, args, *, batch_argnums, mesh, axis: tuple[str, ...]) ->
     local = list(leaves)
     for i, x in zip(at, dynamic):
       local[i] = x
-    devices = _Devices(axis, jax.lax.axis_index(axis), _sharding.num_shards(mesh, axis))
+    devices = _Devices(axis, jax.lax.axis_index(axis), plan.num_shards, plan)
     return step(jax.tree.unflatten(treedef, local), devices)
 
   # check_vma=False: each device's gradient sum stays its own partial sum until
-  # the one psum in _Devices.reduce. axis_names: only the data axis is manual.
+  # the one reduction in _Devices.reduce. axis_names: only the data axis is manual.
   return jax.shard_map(
-      per_device, mesh=mesh, in_specs=(dynamic_specs,), out_specs=P(), check_vma=False,
+      per_device, mesh=mesh, in_specs=(dynamic_specs,), out_specs=out_specs, check_vma=False,
       axis_names=set(axis),
   )(dynamic)
+
+
+def _plan(options: _options.Options, call: _options.Call, args: tuple[Any, ...]) -> _sharding.Plan:
+  """The reduction plan of the differentiated arguments (always a tuple here)."""
+  diff = tuple(args[n] for n in options.argnums)
+  given = options.param_sharding
+  if options.single_argnum and given is not None:
+    given = (given,)
+  plan = _sharding.plan(call.mesh, call.data_axes, diff, param_sharding=given,
+                        gather=options.gather)
+  _options.check_plan(options, plan, diff)
+  return plan
 
 
 def cached_value_and_grad(
@@ -354,6 +428,8 @@ def cached_value_and_grad(
     skip_nonfinite: bool = True,
     mesh: jax.sharding.Mesh | None = None,
     data_axis: str | None = None,
+    param_sharding: Any = None,
+    gather: _sharding.Gather = "per_microbatch",
     return_info: bool = False,
     **unsupported: Any,
 ) -> Callable[..., Any]:
@@ -408,9 +484,17 @@ def cached_value_and_grad(
     mesh: a ``jax.sharding.Mesh`` to run data-parallel on: each device embeds
       its rows, the embeddings are all-gathered for the loss, each device pulls
       back its own rows, and the gradient is reduced once per call. Parameters
-      are taken replicated. None: the ``jax.set_mesh`` mesh when ``data_axis``
-      is given, else no mesh.
+      sharded over the data axis (FSDP) are gathered for the passes and their
+      gradients reduce-scattered into a sharded accumulator, as with
+      :func:`accum_jax.value_and_grad`. None: the ``jax.set_mesh`` mesh when
+      ``data_axis`` is given, else no mesh.
     data_axis: the mesh axis the batch is sharded over.
+    param_sharding: the differentiated arguments' shardings, as for
+      :func:`accum_jax.value_and_grad` (needed under ``jax.jit`` with
+      automatic mesh axes, where the traced parameters cannot say).
+    gather: for parameters sharded over the data axis: ``"per_microbatch"``
+      (each chunk's gradient reduce-scattered into a sharded accumulator) or
+      ``"once"`` (a full-size local sum, reduce-scattered after the loop).
     return_info: also return a :class:`MicrobatchInfo` (its ``num_skipped`` and
       ``total_weight`` count chunks, over all devices).
     **unsupported: the options of :func:`value_and_grad` that mean nothing here
@@ -452,7 +536,7 @@ def cached_value_and_grad(
       # Given explicitly: nothing here hides an overflow from a dynamic loss scale
       # (a non-finite step comes back non-finite), so bind need not refuse one.
       skip_nonfinite=bool(skip_nonfinite), mesh=mesh, data_axis=data_axis,
-      return_info=return_info,
+      param_sharding=param_sharding, gather=gather, return_info=return_info,
   )
 
   def wrapped(*args, **kwargs):
@@ -460,8 +544,12 @@ def cached_value_and_grad(
     step = functools.partial(_step, embed_fn, loss_fn, options, call, kwargs)
     if call.mesh is None:
       return step(args, _ONE_DEVICE)
+    plan = _plan(options, call, args)
+    grad_specs = _sharding.grad_specs(plan)
+    out_specs = (P(), grad_specs[0] if options.single_argnum else grad_specs)
     return _data_parallel(
-        step, args, batch_argnums=call.batch_argnums, mesh=call.mesh, axis=call.data_axes
+        step, args, batch_argnums=call.batch_argnums, argnums=options.argnums, plan=plan,
+        out_specs=out_specs + ((P(),) if options.return_info else ()),
     )
 
   return wrapped

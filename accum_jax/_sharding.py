@@ -304,6 +304,14 @@ def _reduce_leaf(x: jax.Array, leaf: LeafPlan, plan: Plan) -> jax.Array:
   return x
 
 
+def reduce_grads(plan: Plan, grads: Any) -> Any:
+  """After the loop: each leaf of the local gradient sums reduced as planned."""
+  return jax.tree.unflatten(
+      plan.treedef, [_reduce_leaf(g, leaf, plan) for g, leaf in zip(jax.tree.leaves(grads),
+                                                                     plan.leaves)]
+  )
+
+
 class LocalSums(NamedTuple):
   """What one device's scan over its microbatches leaves, before normalisation.
 

@@ -18,6 +18,7 @@ import pytest
 from helpers import RTOL, normal, tolerance_for, tree_all_finite, tree_allclose
 
 import accum_jax
+import accum_jax.testing
 from accum_jax.testing import collective_counts
 
 BATCH_SIZE = 16
@@ -365,3 +366,63 @@ def test_a_loss_that_is_not_a_scalar_is_refused():
   vg = accum_jax.cached_value_and_grad(embed_one, lambda p, z, b: z @ z.T, 2)
   with pytest.raises(ValueError, match=r"loss_fn must return the scalar loss.*\(16, 16\)"):
     jax.jit(vg)(make_params(), make_batch())
+
+
+# FSDP: each tower's parameters sharded over the 8 devices of the data axis,
+# the temperature replicated. The loss also uses a sharded leaf directly (a
+# decay term), whose gradient every device computes whole.
+FSDP_TOWER = {"w1": jax.sharding.PartitionSpec(None, "data"),
+              "b1": jax.sharding.PartitionSpec("data"),
+              "w2": jax.sharding.PartitionSpec("data", None)}
+FSDP_SPECS = {"image": FSDP_TOWER, "text": FSDP_TOWER, "log_t": jax.sharding.PartitionSpec(),
+              "bias": jax.sharding.PartitionSpec()}
+
+
+def decayed_clip_loss(params, emb, batch):
+  return clip_loss(params, emb, batch) + 0.1 * jnp.sum(params["image"]["w2"] ** 2)
+
+
+@pytest.mark.parametrize("gather", ["per_microbatch", "once"])
+def test_fsdp_parameters_stay_sharded_and_their_gradients_are_reduce_scattered(gather):
+  mesh = data_mesh()
+  shardings = jax.tree.map(lambda s: jax.sharding.NamedSharding(mesh, s), FSDP_SPECS)
+  params = jax.device_put(make_params(), shardings)
+  batch = jax.device_put(make_batch(32), jax.sharding.NamedSharding(mesh, FSDP_TOWER["b1"]))
+  vg = jax.jit(accum_jax.cached_value_and_grad(
+      embed_two, decayed_clip_loss, 2, mesh=mesh, param_sharding=FSDP_SPECS, gather=gather))
+  compiled = vg.lower(params, batch).compile()
+  loss, grads = compiled(params, batch)
+  tree_allclose((loss, grads), full_batch(embed_two, decayed_clip_loss)(make_params(),
+                                                                        make_batch(32)))
+  for g, p in zip(jax.tree.leaves(grads), jax.tree.leaves(params)):
+    assert g.sharding.is_equivalent_to(p.sharding, g.ndim), (g.sharding, p.sharding)
+  found = accum_jax.testing.collectives(compiled.as_text(), mesh)
+  in_loop = sorted(c.kind for c in found if c.in_loop)
+  scatters = [c for c in found if c.kind == "reduce-scatter"]
+  # The six sharded leaves: reduce-scattered per chunk into sharded accumulators,
+  # or, gathered once, after the loops.
+  assert len(scatters) == 6 and all(c.in_loop == (gather == "per_microbatch") for c in scatters)
+  assert in_loop == (["reduce-scatter"] * 6 if gather == "per_microbatch" else []), in_loop
+  # Nothing full-size is all-reduced: the replicated scalars and the flags only.
+  assert all(c.result_bytes <= 64 for c in found if c.kind == "all-reduce"), found
+
+
+def test_fsdp_with_a_bfloat16_running_mean_gathers_once_or_is_refused():
+  mesh = data_mesh()
+  shardings = jax.tree.map(lambda s: jax.sharding.NamedSharding(mesh, s), FSDP_SPECS)
+  params = jax.device_put(make_params(jnp.bfloat16), shardings)
+  batch = jax.device_put(make_batch(32), jax.sharding.NamedSharding(mesh, FSDP_TOWER["b1"]))
+
+  def cached_fsdp(gather):
+    return jax.jit(accum_jax.cached_value_and_grad(
+        embed_two, decayed_clip_loss, 2, mesh=mesh, param_sharding=FSDP_SPECS, gather=gather,
+        accumulator_dtype=None))
+
+  with pytest.raises(ValueError, match="a narrow accumulator keeps a running mean"):
+    cached_fsdp("per_microbatch").lower(params, batch)
+  loss, grads = cached_fsdp("once")(params, batch)
+  _, full_grads = full_batch(embed_two, decayed_clip_loss)(make_params(), make_batch(32))
+  assert all(g.dtype == jnp.bfloat16 for g in jax.tree.leaves(grads))
+  for g, p in zip(jax.tree.leaves(grads), jax.tree.leaves(params)):
+    assert g.sharding.is_equivalent_to(p.sharding, g.ndim), (g.sharding, p.sharding)
+  tree_allclose(grads, full_grads, rtol=8 * tolerance_for(jnp.bfloat16)["rtol"], atol=0.05)
