@@ -2,10 +2,12 @@
 
 The test launches two copies of tests/multihost_worker.py on 127.0.0.1, which meet at
 a coordinator on a free port, reduce across processes with gloo, and run
-``value_and_grad(..., mesh=mesh, data_axis="data")`` on one global batch spread over
-the 8 devices of both. Their results must equal the full-batch ``jax.value_and_grad``
-computed here, in one process. Every wait is bounded: the workers' distributed
-initialisation times out, and the test kills them if they outlive ``TIMEOUT_S``.
+``value_and_grad(..., mesh=mesh, data_axis="data", param_sharding=...)`` on one global
+batch spread over the 8 devices of both, one parameter sharded over all 8 (FSDP) and
+one replicated. The shards each process holds must equal those of the full-batch
+``jax.value_and_grad`` computed here, in one process. Every wait is bounded: the
+workers' distributed initialisation times out, and the test kills them if they
+outlive ``TIMEOUT_S``.
 """
 
 from __future__ import annotations
@@ -81,18 +83,32 @@ def _result(output: str) -> dict:
 
 
 @pytest.mark.skipif(not _gloo_available(), reason="this jaxlib has no gloo CPU collectives")
-def test_two_processes_reduce_once_and_match_the_single_process_full_batch_gradient():
+def test_two_processes_shard_and_reduce_as_one_and_match_the_single_process_full_batch():
   results = sorted((_result(out) for out in _run_workers()), key=lambda r: r["process_index"])
   params, batch = problem()
   expected_value, expected_grads = jax.value_and_grad(loss)(params, batch)
+  rows_seen = []
   for process_index, result in enumerate(results):
     assert result["process_index"] == process_index
     assert result["process_count"] == NUM_PROCESSES
     assert result["local_device_count"] == DEVICES_PER_PROCESS
     assert result["device_count"] == NUM_PROCESSES * DEVICES_PER_PROCESS
-    assert result["fully_replicated"]
-    # One reduction per call, after the loop, across the processes too.
-    assert result["in_loop"] == 0 and result["outside_loop"] > 0, result
+    # Each gradient comes back sharded as its parameter, across the processes.
+    assert result["sharded_as_parameter"] == {"w": True, "b": True}, result
+    # FSDP's w: one reduce-scatter per microbatch (and the agreed skip flags);
+    # b, replicated: reduced once, after the loop.
+    per_microbatch = sorted(kind for kind, in_loop, in_branch in result["collectives"]
+                            if in_loop and not in_branch)
+    assert per_microbatch == ["all-reduce", "reduce-scatter"], result["collectives"]
+    assert ["all-reduce", False, False] in result["collectives"], result["collectives"]
     tree_allclose(np.float32(result["value"]), expected_value)
-    grads = {name: np.asarray(g, np.float32) for name, g in result["grads"].items()}
-    tree_allclose(grads, expected_grads)
+    assert len(result["grads"]["w"]) == len(result["grads"]["b"]) == DEVICES_PER_PROCESS
+    for name, shards in result["grads"].items():
+      for shard in shards:
+        data = np.asarray(shard["data"], np.float32)
+        index = tuple(slice(start, start + size) for start, size in zip(shard["start"], data.shape))
+        tree_allclose(data, np.asarray(expected_grads[name])[index])
+        if name == "w":
+          rows_seen.append(shard["start"][0])
+  # The 8 one-row shards of w, 4 held by each process.
+  assert sorted(rows_seen) == list(range(8)), rows_seen
