@@ -386,17 +386,18 @@ def _arg_specs(
     plan: Plan,
 ) -> list[P]:
   """Per leaf of ``args``: the batch split over the data axes, parameters as the
-  plan says, anything else replicated over the data axes."""
-  param_specs = iter(leaf.spec for leaf in plan.leaves)
+  plan says (its leaves follow ``param_argnums``' order), anything else
+  replicated over the data axes."""
+  plans = iter(plan.leaves)
+  param_specs = {
+      n: [next(plans).spec for _ in jax.tree.leaves(args[n])] for n in param_argnums
+  }
   specs = []
   for i, arg in enumerate(args):
-    for _ in jax.tree.leaves(arg):
-      if i in batch_argnums:
-        specs.append(P(plan.axes))
-      elif i in param_argnums:
-        specs.append(next(param_specs))
-      else:
-        specs.append(P())
+    if i in batch_argnums:
+      specs += [P(plan.axes)] * len(jax.tree.leaves(arg))
+    else:
+      specs += param_specs.get(i) or [P()] * len(jax.tree.leaves(arg))
   return specs
 
 

@@ -274,3 +274,21 @@ def test_gradient_noise_aux_and_state_do_not_depend_on_how_parameters_are_sharde
   (value_r, aux_r), grads_r, info_r = run()  # replicated: the data-parallel path
   tree_allclose((value, aux, grads, info), (value_r, aux_r, grads_r, info_r))
   assert bool(jnp.isfinite(info.gradient_noise.trace_cov))
+
+
+def test_parameters_named_out_of_order_keep_their_own_shardings():
+  mesh, data_axis, specs, params, batch = _place("fsdp")
+  first = {k: params[k] for k in ("w1", "b1")}
+  second = {k: params[k] for k in ("w2", "b2")}
+
+  def fun(batch, second, first):
+    return loss_fn({**first, **second}, batch)
+
+  vg = accum_jax.value_and_grad(
+      fun, NUM_MICROBATCHES, argnums=(2, 1), batch_argnums=0, mesh=mesh, data_axis=data_axis,
+      param_sharding=({k: specs[k] for k in first}, {k: specs[k] for k in second}),
+  )
+  value, (g_first, g_second) = jax.jit(vg)(batch, second, first)
+  expected_value, expected = _reference()
+  tree_allclose((value, {**g_first, **g_second}), (expected_value, expected))
+  _assert_sharded_like({**g_first, **g_second}, params)
