@@ -31,11 +31,26 @@ costs no extra pass over the gradients; the float32 path adds and does nothing e
 
 A zero weight adds nothing, even where its gradient is NaN: padding microbatches
 cannot poison the sum.
+
+Each leaf combines in one of four ways (``kinds``, one per leaf; None: all
+``"mean"``): ``"mean"`` and ``"sum"`` are the weighted sums above, normalised
+differently at the end; ``"max"`` and ``"last"`` are statistics (such as Flax's
+FP8 amax histories, whose "gradient" is their new value): each keeps the raw
+values of the kept pytrees, unweighted, in the leaf's own dtype, the
+elementwise maximum or the last one::
+
+  total = x                     if nothing was kept before
+  total = max(total, x)         "max"
+  total = x                     "last"
+
+:func:`merge_statistics` combines them across devices (the maximum, or the last
+device's that kept any), and the result is 0 where nothing was kept.
 """
 
 from __future__ import annotations
 
 import operator
+from collections.abc import Sequence
 from typing import Any, Literal, NamedTuple
 
 import jax
@@ -43,6 +58,9 @@ import jax.numpy as jnp
 
 Reduction = Literal["mean", "sum"]
 REDUCTIONS: tuple[str, ...] = ("mean", "sum")
+# How one leaf combines; see the module docstring.
+Combine = Literal["mean", "sum", "max", "last"]
+COMBINES: tuple[str, ...] = ("mean", "sum", "max", "last")
 
 
 class Accumulator(NamedTuple):
@@ -157,15 +175,18 @@ def zeros_like(x: Any, dtype: Any = None) -> jax.Array:
   return jnp.zeros_like(x, dtype=dtype)
 
 
-def init(tree: Any, accumulator_dtype: Any = jnp.float32) -> Accumulator:
+def init(tree: Any, accumulator_dtype: Any = jnp.float32, kinds: Any = None) -> Accumulator:
   """An empty accumulator shaped like ``tree``, keeping its leaves' sharding.
 
-  Each leaf's accumulator has the dtype :func:`accumulator_dtype_for` gives.
+  Each leaf's accumulator has the dtype :func:`accumulator_dtype_for` gives; a
+  "max" or "last" leaf (``kinds``, see :func:`per_leaf`) the leaf's own.
   """
+  leaves, treedef = jax.tree.flatten(tree)
   return Accumulator(
-      total=jax.tree.map(
-          lambda x: zeros_like(x, accumulator_dtype_for(x.dtype, accumulator_dtype)), tree
-      ),
+      total=jax.tree.unflatten(treedef, [
+          init_leaf(x, kind, accumulator_dtype)
+          for x, kind in zip(leaves, per_leaf(kinds, tree))
+      ]),
       weight=jnp.zeros((), jnp.float32),
       count=jnp.zeros((), jnp.int32),
       num_skipped=jnp.zeros((), jnp.int32),
@@ -211,6 +232,89 @@ def all_finite(tree: Any) -> jax.Array:
 
 def _wide(dtype: Any) -> jnp.dtype:
   return jnp.promote_types(dtype, jnp.float32)
+
+
+def is_statistic(kind: str) -> bool:
+  """Whether a leaf of ``kind`` keeps raw values ("max", "last"), not weighted sums."""
+  return kind in ("max", "last")
+
+
+def per_leaf(kinds: Any, tree: Any) -> list[str]:
+  """One kind per leaf of ``tree``: ``kinds`` is None (all "mean"), a kind, or one per leaf."""
+  num_leaves = len(jax.tree.leaves(tree))
+  if kinds is None or isinstance(kinds, str):
+    return [kinds or "mean"] * num_leaves
+  return list(kinds)
+
+
+def init_leaf(x: Any, kind: str, accumulator_dtype: Any) -> jax.Array:
+  """The empty accumulator of one leaf: a statistic in the leaf's own dtype (its
+  max or last value is exact there), a sum in the accumulator dtype."""
+  if is_statistic(kind):
+    return zeros_like(x)
+  return zeros_like(x, accumulator_dtype_for(x.dtype, accumulator_dtype))
+
+
+def add_statistic(
+    kind: str, total: jax.Array, x: jax.Array, keep: jax.Array, first: jax.Array
+) -> jax.Array:
+  """A "max" or "last" leaf with ``x`` added where ``keep``; ``first``: nothing kept yet.
+
+  No sentinel: an empty leaf holds zeros, which ``first`` replaces, so that the
+  accumulator stays finite and the maximum of negative values is right.
+  """
+  x = x.astype(total.dtype)
+  if kind == "max":
+    x = jnp.where(first, x, jnp.maximum(total, x))
+  return jnp.where(keep, x, total)
+
+
+def statistic_result(total: jax.Array, dtype: Any, weight: jax.Array) -> jax.Array:
+  """A "max" or "last" leaf's result in ``dtype``: 0 where nothing was kept (``weight`` 0)."""
+  return jnp.where(weight > 0, total, jnp.zeros((), total.dtype)).astype(dtype)
+
+
+def _lowest(dtype: Any) -> Any:
+  if jnp.issubdtype(dtype, jnp.floating):
+    return -jnp.inf
+  return jnp.iinfo(dtype).min if jnp.issubdtype(dtype, jnp.integer) else False
+
+
+def merge_statistics(
+    leaves: Sequence[jax.Array | None], kinds: Sequence[str], have: jax.Array, axis_name: Any
+) -> list[jax.Array | None]:
+  """The "max" and "last" leaves of all devices along ``axis_name``, on each device.
+
+  Inside ``jax.shard_map``, after each device's loop. ``"max"``: the maximum over
+  the devices that kept anything (``have``, this device's kept weight > 0);
+  ``"last"``: the value of the last such device in device order, which is batch
+  order. One ``pmax`` of the maxima, and for the last leaves one ``pmax`` of an
+  index and one ``psum`` (the other devices contribute zeros). Entries that are
+  None or of another kind come back None.
+  """
+  # A device that kept nothing offers the lowest value, which any kept one beats.
+  maxima = [
+      None if x is None or k != "max"
+      else jnp.where(have, x, jnp.asarray(_lowest(x.dtype), x.dtype))
+      for x, k in zip(leaves, kinds)
+  ]
+  out: list[jax.Array | None] = list(jax.lax.pmax(maxima, axis_name))
+  if "last" not in kinds:
+    return out
+  index = jax.lax.axis_index(axis_name)
+  last_device = jax.lax.pmax(jnp.where(have, index, -1), axis_name)
+
+  def own(x):  # bools cannot be summed: they travel as int32
+    x = jnp.where(index == last_device, x, jnp.zeros_like(x))
+    return x.astype(jnp.int32) if x.dtype == bool else x
+
+  lasts = jax.lax.psum(
+      [None if x is None or k != "last" else own(x) for x, k in zip(leaves, kinds)], axis_name
+  )
+  return [
+      last.astype(x.dtype) if last is not None and x is not None else m
+      for x, m, last in zip(leaves, out, lasts)
+  ]
 
 
 class Admission(NamedTuple):
@@ -268,6 +372,12 @@ def _counted(acc: Accumulator, admission: Admission, total: Any, weight: jax.Arr
   )
 
 
+def _map_kinds(fun: Any, kinds: Any, tree: Any, *rest: Any) -> Any:
+  """``jax.tree.map(fun)`` over ``tree`` and ``rest``, with each leaf's kind last."""
+  kinds_tree = jax.tree.unflatten(jax.tree.structure(tree), per_leaf(kinds, tree))
+  return jax.tree.map(fun, tree, *rest, kinds_tree)
+
+
 def add(
     acc: Accumulator,
     tree: Any,
@@ -275,6 +385,7 @@ def add(
     *,
     skip_nonfinite: bool = True,
     accept: jax.typing.ArrayLike = True,
+    kinds: Any = None,
 ) -> tuple[Accumulator, jax.Array]:
   """Adds ``weight * tree`` to ``acc``, unless it is non-finite (across calls).
 
@@ -287,6 +398,8 @@ def add(
       False, it is added as it is.
     accept: a further condition (a bool scalar); where False, ``tree`` is
       skipped and counted like a non-finite one.
+    kinds: per leaf, see :func:`per_leaf`; a "max" or "last" leaf takes the
+      leaf of ``tree`` as it is, unweighted.
 
   Returns:
     The new accumulator, and whether ``tree`` was added (a bool scalar).
@@ -296,8 +409,11 @@ def add(
   new_weight = acc.weight + jnp.where(keep, w, 0.0)
   # The new call's share of the window, for the running means of narrow leaves.
   share = w / jnp.where(new_weight > 0, new_weight, 1.0)
+  first = acc.weight == 0
 
-  def add_leaf(total, x):
+  def add_leaf(total, x, kind):
+    if is_statistic(kind):
+      return add_statistic(kind, total, x, keep, first)
     if is_narrow(total.dtype):
       # The running mean, computed in float32 and rounded once: a convex
       # combination of finite values, so it cannot overflow.
@@ -310,7 +426,7 @@ def add(
     # `where`, not a product with `keep`: 0 * NaN is NaN.
     return jnp.where(keep, new, total)
 
-  total = jax.tree.map(add_leaf, acc.total, tree)
+  total = _map_kinds(add_leaf, kinds, acc.total, tree)
   return _counted(acc, admission, total, new_weight), keep
 
 
@@ -320,7 +436,8 @@ def masked(tree: Any, keep: jax.Array) -> Any:
 
 
 def add_share(
-    acc: Accumulator, shares: Any, admission: Admission, batch_weight: jax.Array
+    acc: Accumulator, shares: Any, admission: Admission, batch_weight: jax.Array,
+    kinds: Any = None,
 ) -> Accumulator:
   """Adds one microbatch's shares of the batch's mean (inside a step).
 
@@ -338,6 +455,8 @@ def add_share(
     admission: what :func:`admit` decided for this microbatch.
     batch_weight: the weight of the whole batch, ``sum w_i`` over every
       microbatch (of every device); float32 scalar.
+    kinds: per leaf, see :func:`per_leaf`; a "max" or "last" leaf of
+      ``shares`` is the raw value, not scaled by the share.
 
   Returns:
     The new accumulator.
@@ -345,29 +464,36 @@ def add_share(
   kept_weight = jnp.where(admission.keep, admission.weight, 0.0)
   new_weight = acc.weight + kept_weight
   safe = jnp.where(new_weight > 0, new_weight, 1.0)
+  first = acc.weight == 0
 
-  def add_leaf(total, x):
+  def add_leaf(total, x, kind):
+    if is_statistic(kind):
+      return add_statistic(kind, total, x, admission.keep, first)
     if is_narrow(total.dtype):
       mean = total.astype(jnp.float32)
       new = mean * (1.0 - kept_weight / safe) + x.astype(jnp.float32) * (batch_weight / safe)
       return new.astype(total.dtype)
     return total + x.astype(total.dtype)
 
-  total = jax.tree.map(add_leaf, acc.total, shares)
+  total = _map_kinds(add_leaf, kinds, acc.total, shares)
   return _counted(acc, admission, total, new_weight)
 
 
-def share_result(acc: Accumulator, like: Any, batch_weight: jax.Array) -> Any:
+def share_result(
+    acc: Accumulator, like: Any, batch_weight: jax.Array, kinds: Any = None
+) -> Any:
   """The mean over the kept microbatches of an :func:`add_share` accumulator.
 
   Wide leaves hold the sum of the kept shares, ``sum_kept w_i x_i / W``: times
   ``W / sum_kept w_i`` (1 when nothing was skipped), the kept microbatches'
-  weighted mean. Narrow leaves already hold it. Zeros where nothing was kept.
+  weighted mean; times ``W``, a "sum" leaf's weighted sum. Narrow leaves hold
+  the mean already. Zeros where nothing was kept.
 
   Args:
     acc: the accumulator (after any cross-device reduction).
     like: a pytree (of arrays or shape-dtype structs) with the target dtypes.
     batch_weight: as for :func:`add_share`.
+    kinds: per leaf, see :func:`per_leaf`.
 
   Returns:
     A pytree with the structure of ``acc.total`` and the dtypes of ``like``.
@@ -375,22 +501,31 @@ def share_result(acc: Accumulator, like: Any, batch_weight: jax.Array) -> Any:
   factor = jnp.where(acc.weight > 0, batch_weight / jnp.where(acc.weight > 0, acc.weight, 1.0),
                      0.0)
 
-  def finish(total, x):
+  def finish(total, x, kind):
+    if is_statistic(kind):
+      return statistic_result(total, x.dtype, acc.weight)
     if is_narrow(total.dtype):
-      return total.astype(x.dtype)
-    return (total * factor.astype(total.dtype)).astype(x.dtype)
+      return _narrow_result(total, acc.weight, kind).astype(x.dtype)
+    scale = factor if kind == "mean" else batch_weight
+    return (total * scale.astype(total.dtype)).astype(x.dtype)
 
-  return jax.tree.map(finish, acc.total, like)
+  return _map_kinds(finish, kinds, acc.total, like)
 
 
-def result(acc: Accumulator, like: Any, reduction: Reduction = "mean") -> Any:
+def _narrow_result(mean: jax.Array, weight: jax.Array, kind: str) -> jax.Array:
+  """A narrow accumulator holds the running mean; a "sum" is it times the weight."""
+  return mean if kind == "mean" else mean.astype(jnp.float32) * weight
+
+
+def result(acc: Accumulator, like: Any, reduction: Any = "mean") -> Any:
   """The accumulated pytree, normalised, in the dtypes of ``like``.
 
   Args:
     acc: the accumulator.
     like: a pytree (of arrays or shape-dtype structs) with the target dtypes.
     reduction: ``"mean"`` divides by the total weight (zeros when it is 0);
-      ``"sum"`` returns the weighted sum.
+      ``"sum"`` returns the weighted sum; or one kind per leaf (see
+      :func:`per_leaf`), "max" and "last" leaves as kept (0 when none was).
 
   Returns:
     A pytree with the structure of ``acc.total`` and the dtypes of ``like``.
@@ -399,29 +534,31 @@ def result(acc: Accumulator, like: Any, reduction: Reduction = "mean") -> Any:
   """
   divisor = jnp.where(acc.weight > 0, acc.weight, 1.0)
 
-  def finish(total, x):
+  def finish(total, x, kind):
     dtype = jax.dtypes.canonicalize_dtype(x.dtype)  # a numpy float64 leaf: float32
+    if is_statistic(kind):
+      return statistic_result(total, dtype, acc.weight)
     if is_narrow(total.dtype):  # total holds the mean
-      if reduction == "mean":
-        return total.astype(dtype)
-      return (total.astype(jnp.float32) * acc.weight).astype(dtype)
-    if reduction == "sum":
+      return _narrow_result(total, acc.weight, kind).astype(dtype)
+    if kind == "sum":
       return total.astype(dtype)
     return (total / divisor.astype(total.dtype)).astype(dtype)
 
-  return jax.tree.map(finish, acc.total, like)
+  return _map_kinds(finish, reduction, acc.total, like)
 
 
-def sum_fits(acc: Accumulator, like: Any) -> jax.Array:
+def sum_fits(acc: Accumulator, like: Any, kinds: Any = None) -> jax.Array:
   """Whether the weighted sum is finite in the dtypes of ``like``; shape=().
 
   Only leaves whose ``like`` dtype is narrower than float32 are looked at (one
   reduction over each); for the others the answer is True without a pass: the
-  float32 path gets no extra work.
+  float32 path gets no extra work. With ``kinds`` (see :func:`per_leaf`), only
+  the "sum" leaves.
   """
   checks = [jnp.array(True)]
-  for total, x in zip(jax.tree.leaves(acc.total), jax.tree.leaves(like)):
-    if not is_narrow(x.dtype):
+  leaf_kinds = per_leaf(kinds or "sum", like)
+  for total, x, kind in zip(jax.tree.leaves(acc.total), jax.tree.leaves(like), leaf_kinds):
+    if not is_narrow(x.dtype) or kind != "sum":
       continue
     largest = jnp.max(jnp.abs(total.astype(_wide(total.dtype))), initial=0.0)
     if is_narrow(total.dtype):  # total holds the mean
@@ -440,16 +577,18 @@ def empty(acc: Accumulator) -> Accumulator:
   )
 
 
-def merge(acc: Accumulator, axis_name: Any) -> Accumulator:
+def merge(acc: Accumulator, axis_name: Any, kinds: Any = None) -> Accumulator:
   """The accumulators of all devices along ``axis_name`` combined, on each device.
 
   The one cross-device reduction of the data-parallel path (inside
   ``jax.shard_map``): a ``psum`` of the sums, and of the narrow leaves' means
-  weighted by each device's weight (a ``psum`` of means would be wrong).
+  weighted by each device's weight (a ``psum`` of means would be wrong); "max"
+  and "last" leaves by :func:`merge_statistics`.
 
   Args:
     acc: this device's accumulator.
     axis_name: the mesh axis (or axes) to reduce over.
+    kinds: per leaf, see :func:`per_leaf`.
 
   Returns:
     The combined accumulator, the same on every device along ``axis_name``.
@@ -461,8 +600,15 @@ def merge(acc: Accumulator, axis_name: Any) -> Accumulator:
     # A narrow mean goes over the wire as this device's share of the global mean.
     return (share * total.astype(jnp.float32)) if is_narrow(total.dtype) else total
 
-  summed, count, num_skipped = jax.lax.psum(
-      (jax.tree.map(to_sum, acc.total), acc.count, acc.num_skipped), axis_name
-  )
-  total = jax.tree.map(lambda new, old: new.astype(old.dtype), summed, acc.total)
-  return Accumulator(total, weight, count, num_skipped)
+  leaves, treedef = jax.tree.flatten(acc.total)
+  leaf_kinds = per_leaf(kinds, acc.total)
+  sums = [None if is_statistic(k) else to_sum(x) for x, k in zip(leaves, leaf_kinds)]
+  summed, count, num_skipped = jax.lax.psum((sums, acc.count, acc.num_skipped), axis_name)
+  if any(is_statistic(k) for k in leaf_kinds):
+    statistics = merge_statistics(
+        [x if is_statistic(k) else None for x, k in zip(leaves, leaf_kinds)], leaf_kinds,
+        acc.weight > 0, axis_name,
+    )
+    summed = [s if x is None else x for x, s in zip(statistics, summed)]
+  total = [new.astype(old.dtype) for new, old in zip(summed, leaves)]
+  return Accumulator(jax.tree.unflatten(treedef, total), weight, count, num_skipped)

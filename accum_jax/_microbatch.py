@@ -45,12 +45,18 @@ class MicrobatchInfo(NamedTuple):
 
 
 class _Shapes(NamedTuple):
-  """One microbatch's outputs, abstractly, and how each aux leaf is reduced."""
+  """One microbatch's outputs, abstractly, and how each leaf is combined."""
 
   value: jax.ShapeDtypeStruct
   grads: Any
   aux: Any
   reductions: tuple[str, ...]  # one per leaf of aux
+  grad_kinds: tuple[str, ...] | None  # one per leaf of grads; None: all "mean"
+
+  @property
+  def kinds(self) -> tuple[str, ...] | None:
+    """Per leaf of the accumulator's ``(value, grads)``, as ``_core`` takes them."""
+    return None if self.grad_kinds is None else ("mean", *self.grad_kinds)
 
 
 def _describe(x: Any) -> str:
@@ -195,11 +201,13 @@ def _one_microbatch(dev: _Device, index, mb, state, share, params) -> _Out:
   return _Out(value, raw_value, grads, new_state, aux)
 
 
-def _aux_reductions(aux: Any, requested: AuxReduction | None, rows: int) -> tuple[str, ...]:
-  """How each aux leaf is reduced. By default a leaf with a leading axis of the
-  microbatch's rows is per-example (concatenated); any other is averaged."""
+def _aux_reductions(aux: Any, spec: Any, rows: int) -> tuple[str, ...]:
+  """How each aux leaf is reduced (``spec``: ``aux_reduction``, maybe per leaf). By
+  default a leaf with a leading axis of the microbatch's rows is per-example
+  (concatenated); any other is averaged."""
   reductions = []
-  for path, leaf in jax.tree.leaves_with_path(aux):
+  given = _options.per_leaf_spec(spec, aux, "aux_reduction", "the aux")
+  for (path, leaf), (requested, _) in zip(jax.tree.leaves_with_path(aux), given):
     per_example = len(leaf.shape) >= 1 and leaf.shape[0] == rows
     if requested == "concat" and not per_example:
       raise ValueError(
@@ -216,7 +224,7 @@ def _abstract(x: Any, dtype: Any = None) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x) if dtype is None else dtype)
 
 
-def _trace_one(grad_fun, options, call, plan, args, kwargs) -> _Shapes:
+def _trace_one(grad_fun, options, call, plan, args, kwargs, grad_kinds) -> _Shapes:
   """The abstract outputs of one microbatch (a trace, no compile)."""
   # JAX's own dtypes: a float64 numpy batch is float32 once traced (unless x64
   # is on), and asking for float64 here would warn on every trace.
@@ -241,18 +249,25 @@ def _trace_one(grad_fun, options, call, plan, args, kwargs) -> _Shapes:
   _options.check_float16(options, traced.jaxpr)
   out = traced.out_info
   reductions = _aux_reductions(out.aux, options.aux_reduction, call.rows)
+  if all(kind == "mean" for kind in grad_kinds):
+    grad_kinds = None  # the default path, as if per-leaf kinds did not exist
   # Gradients come back in the parameters' own shapes and dtypes.
-  return _Shapes(out.raw_value, jax.tree.map(_abstract, params), out.aux, reductions)
+  return _Shapes(out.raw_value, jax.tree.map(_abstract, params), out.aux, reductions, grad_kinds)
 
 
 def _aux_sum_dtype(dtype: Any, reduction: str) -> Any:
-  """Means in float32 at least; sums of integers in integers, exactly."""
+  """Means in float32 at least; sums of integers in integers, exactly; statistics
+  ("max", "last") in their own dtype."""
+  if _core.is_statistic(reduction):
+    return dtype
   if jnp.issubdtype(dtype, jnp.inexact):
     return jnp.promote_types(dtype, jnp.float32)
   return jnp.float32 if reduction == "mean" else jnp.promote_types(dtype, jnp.int32)
 
 
-def _aux_add(total: jax.Array, x: jax.Array, reduction: str, weight, kept) -> jax.Array:
+def _aux_add(total: jax.Array, x: jax.Array, reduction: str, weight, kept, first) -> jax.Array:
+  if _core.is_statistic(reduction):
+    return _core.add_statistic(reduction, total, x, kept, first)
   x = x.astype(total.dtype)
   if reduction == "mean" and weight is not None:
     x = jnp.asarray(weight, jnp.float32).astype(total.dtype) * x
@@ -326,9 +341,9 @@ def _initial_carry(dev: _Device, params: Any) -> tuple[Any, ...]:
   """
   options, shapes = dev.options, dev.shapes
   value = jnp.zeros((), jnp.promote_types(shapes.value.dtype, jnp.float32))
-  acc = _core.init((value, params), options.accumulator_dtype)
+  acc = _core.init((value, params), options.accumulator_dtype, shapes.kinds)
   aux_sums = [
-      jnp.zeros(x.shape, _aux_sum_dtype(x.dtype, r)) if r in ("mean", "sum") else None
+      jnp.zeros(x.shape, _aux_sum_dtype(x.dtype, r)) if r not in ("concat", "stack") else None
       for x, r in zip(jax.tree.leaves(shapes.aux), shapes.reductions)
   ]
   state = dev.args[options.state_argnums[0]] if options.state_argnums else None
@@ -395,16 +410,41 @@ def _step(dev: _Device, carry, xs, *, identify, restart):
 
   Also returns whether its gradient is finite (on the identifying pass only).
   """
-  options = dev.options
   if restart is not None:
     carry = _restarted(carry, dev, restart)
   acc, aux_sums, state, noise = carry
   index, mb, weight, known_bad = xs
-  params = dev.gathered
-  if params is None:
-    params = _sharding.gather(dev.plan, diff_args(options, dev.args))
   share = (1.0 if weight is None else weight) / dev.batch_weight
-  out = _one_microbatch(dev, index, mb, state, share, params)
+  out = _one_microbatch(dev, index, mb, state, share, _params_seen(dev))
+  grads, admission, finite = _judged(dev, out, acc, weight, known_bad, identify)
+  kept = admission.keep
+  if dev.options.gradient_noise:  # without weight_fn, a microbatch weighs its rows
+    size = dev.call.rows if weight is None else weight
+    noise = _noise.add(noise, _gradients_only(out.grads, dev.shapes), size, kept, scale=share)
+  value = _core.masked(out.value, kept)
+  first = acc.weight == 0  # nothing kept before this microbatch
+  acc = _core.add_share(acc, (value, grads), admission, dev.batch_weight, dev.shapes.kinds)
+  aux_sums, per_example = _aux_added(dev, aux_sums, out.aux, weight, kept, first)
+  if dev.options.state_argnums:
+    state = jax.tree.map(lambda new, old: jnp.where(kept, new, old), out.state, state)
+  return (acc, aux_sums, state, noise), per_example, finite
+
+
+def _params_seen(dev: _Device) -> Any:
+  """The parameters as ``fun`` sees them: full-size, gathered where sharded."""
+  if dev.gathered is not None:
+    return dev.gathered
+  return _sharding.gather(dev.plan, diff_args(dev.options, dev.args))
+
+
+def _judged(dev: _Device, out: _Out, acc, weight, known_bad, identify):
+  """A microbatch's gradient reduced as the plan says, and what is decided about it.
+
+  Returns the gradient (reduce-scattered where the plan says so, zero where it is
+  not kept), its :class:`_core.Admission`, and whether it is finite (on the
+  identifying pass only).
+  """
+  options = dev.options
   grads = out.grads
   if weight is not None:
     # A zero (or bad) weight adds nothing, not even to other devices' shards,
@@ -417,29 +457,26 @@ def _step(dev: _Device, carry, xs, *, identify, restart):
   finite = _finite((out.value, grads), identify) if options.skip_nonfinite else jnp.array(True)
   loss_ok, finite = _agreed(dev, loss_ok, finite)
   admission = _core.admit(None, weight, skip_nonfinite=False, accept=loss_ok)
-  if options.gradient_noise:  # without weight_fn, a microbatch weighs its rows
-    size = dev.call.rows if weight is None else weight
-    noise = _noise.add(noise, out.grads, size, admission.keep, scale=share)
   # Selects, which XLA fuses into the additions: a shard reduced per microbatch
   # is dropped where the devices agree to skip; what stays local, where this
   # device's microbatch is not kept.
-  value = _core.masked(out.value, admission.keep)
   grads = _sharding.map_scattered(
       dev.plan, grads, lambda g: _core.masked(g, loss_ok), lambda g: _core.masked(g, admission.keep)
   )
-  acc = _core.add_share(acc, (value, grads), admission, dev.batch_weight)
-  aux = jax.tree.leaves(out.aux)
-  kept = admission.keep
+  return grads, admission, finite
+
+
+def _aux_added(dev: _Device, aux_sums, aux, weight, kept, first):
+  """The aux sums and statistics with this microbatch's aux, and its per-example
+  (or per-microbatch) leaves to store."""
+  reductions = dev.shapes.reductions
+  aux = jax.tree.leaves(aux)
   aux_sums = [
-      None if total is None else _aux_add(total, x, r, weight, kept)
-      for total, x, r in zip(aux_sums, aux, dev.shapes.reductions)
+      None if total is None else _aux_add(total, x, r, weight, kept, first)
+      for total, x, r in zip(aux_sums, aux, reductions)
   ]
-  per_example = [
-      x if r in ("concat", "stack") else None for x, r in zip(aux, dev.shapes.reductions)
-  ]
-  if options.state_argnums:
-    state = jax.tree.map(lambda new, old: jnp.where(kept, new, old), out.state, state)
-  return (acc, aux_sums, state, noise), per_example, finite
+  per_example = [x if r in ("concat", "stack") else None for x, r in zip(aux, reductions)]
+  return aux_sums, per_example
 
 
 def _sums_not_finite(dev: _Device, acc: _core.Accumulator) -> jax.Array:
@@ -511,6 +548,8 @@ def _drop_padding(x: jax.Array, call: _options.Call) -> jax.Array:
 
 
 def _aux_result(total, per_example, like, reduction, weight, call) -> jax.Array:
+  if _core.is_statistic(reduction):
+    return _core.statistic_result(total, like.dtype, weight)
   if reduction == "concat":
     return _drop_padding(per_example, call)
   if reduction == "stack":
@@ -523,7 +562,9 @@ def _aux_result(total, per_example, like, reduction, weight, call) -> jax.Array:
 def _finalise(sums: _sharding.LocalSums, shapes: _Shapes, options, call) -> Any:
   """Normalises the sums into what ``jax.value_and_grad`` returns."""
   acc = sums.acc
-  value, grads = _core.share_result(acc, (shapes.value, shapes.grads), sums.batch_weight)
+  value, grads = _core.share_result(
+      acc, (shapes.value, shapes.grads), sums.batch_weight, shapes.kinds
+  )
   # Every microbatch skipped: NaN, as on the whole batch, rather than a loss of
   # 0 that hides it (accumulate, apply_if_finite... then skip the step too).
   nothing_kept = (acc.weight == 0) & (acc.num_skipped > 0)
@@ -553,8 +594,19 @@ def _noise_estimate(sums: _sharding.LocalSums, shapes: _Shapes) -> _noise.Gradie
       lambda x: jax.ShapeDtypeStruct(x.shape, jnp.promote_types(x.dtype, jnp.float32)),
       (shapes.value, shapes.grads),
   )
-  _, mean_grads = _core.share_result(sums.acc, wide, sums.batch_weight)
-  return _noise.estimate(sums.noise, mean_grads)
+  # The noise is that of the microbatches' mean gradients, "sum" leaves included.
+  kinds = shapes.kinds and tuple("mean" if k == "sum" else k for k in shapes.kinds)
+  _, mean_grads = _core.share_result(sums.acc, wide, sums.batch_weight, kinds)
+  return _noise.estimate(sums.noise, _gradients_only(mean_grads, shapes))
+
+
+def _gradients_only(grads: Any, shapes: _Shapes) -> Any:
+  """The leaves of ``grads`` that are gradients: "max" and "last" leaves are
+  statistics, which no gradient-noise estimate should see."""
+  if shapes.grad_kinds is None:
+    return grads
+  return [g for g, kind in zip(jax.tree.leaves(grads), shapes.grad_kinds)
+          if not _core.is_statistic(kind)]
 
 
 def value_and_grad(
@@ -567,7 +619,8 @@ def value_and_grad(
     weight_fn: Callable[..., jax.typing.ArrayLike] | None = None,
     rng_argnums: int | Sequence[int] | None = None,
     state_argnums: int | None = None,
-    aux_reduction: AuxReduction | None = None,
+    aux_reduction: AuxReduction | Any | None = None,
+    grad_reduction: Any = None,
     split: Split = "contiguous",
     pad_batch: bool = False,
     accumulator_dtype: Any = jnp.float32,
@@ -664,7 +717,7 @@ def value_and_grad(
   options = _options.make(
       num_microbatches, argnums=argnums, batch_argnums=batch_argnums, has_aux=has_aux,
       weight_fn=weight_fn, rng_argnums=rng_argnums, state_argnums=state_argnums,
-      aux_reduction=aux_reduction, split=split, pad_batch=pad_batch,
+      aux_reduction=aux_reduction, grad_reduction=grad_reduction, split=split, pad_batch=pad_batch,
       accumulator_dtype=accumulator_dtype, skip_nonfinite=skip_nonfinite, mesh=mesh,
       data_axis=data_axis, param_sharding=param_sharding, gather=gather,
       gather_dtype=gather_dtype, reduce_dtype=reduce_dtype, return_info=return_info,
@@ -680,21 +733,24 @@ def value_and_grad(
           _batching.pad(arg, call.padding) if n in call.batch_argnums else arg
           for n, arg in enumerate(args)
       )
+    params = diff_args(options, args)
+    grad_kinds = _options.grad_reductions(options.grad_reduction, params)
     plan = None
     if call.mesh is not None:
       plan = _sharding.plan(
-          call.mesh, call.data_axes, diff_args(options, args),
+          call.mesh, call.data_axes, params,
           param_sharding=options.param_sharding, gather=options.gather,
           gather_dtype=options.gather_dtype, reduce_dtype=options.reduce_dtype,
       )
-      _options.check_plan(options, plan, diff_args(options, args))
-    shapes = _trace_one(grad_fun, options, call, plan, args, kwargs)
+      _options.check_plan(options, plan, params, grad_kinds)
+    shapes = _trace_one(grad_fun, options, call, plan, args, kwargs, grad_kinds)
     scan = functools.partial(_scan, grad_fun, options, call, shapes, plan, kwargs=kwargs)
     if plan is None:
       sums = scan(args, None)
     else:
       sums = _sharding.run(
-          scan, args, batch_argnums=call.batch_argnums, param_argnums=options.argnums, plan=plan
+          scan, args, batch_argnums=call.batch_argnums, param_argnums=options.argnums, plan=plan,
+          grad_kinds=shapes.grad_kinds, aux_kinds=shapes.reductions,
       )
     return _finalise(sums, shapes, options, call)
 

@@ -20,8 +20,15 @@ import numpy as np
 
 from accum_jax import _batching, _core, _sharding
 
-AuxReduction = Literal["mean", "sum", "stack", "concat"]
-AUX_REDUCTIONS: tuple[str, ...] = ("mean", "sum", "stack", "concat")
+AuxReduction = Literal["mean", "sum", "max", "last", "stack", "concat"]
+AUX_REDUCTIONS: tuple[str, ...] = ("mean", "sum", "max", "last", "stack", "concat")
+GRAD_REDUCTIONS = _core.COMBINES
+
+# Flax Linen's FP8 layers (flax.linen.fp8_ops.OVERWRITE_WITH_GRADIENT) keep their
+# amax histories and scales in this collection; their "gradient" is the new
+# value, which TrainState.apply_gradients writes over the old. Over microbatches
+# the whole batch's is the maximum of the microbatches' (see grad_reductions).
+OVERWRITE_WITH_GRADIENT = "_overwrite_with_gradient"
 
 
 class Options(NamedTuple):
@@ -35,7 +42,8 @@ class Options(NamedTuple):
   state_argnums: tuple[int, ...]  # at most one
   has_aux: bool
   weight_fn: Callable[..., Any] | None
-  aux_reduction: AuxReduction | None  # None: per leaf, see `_microbatch`
+  aux_reduction: Any  # None, a string, or a pytree prefix of the aux; see `aux_reductions`
+  grad_reduction: Any  # None, a string, a pytree prefix or a callable; see `grad_reductions`
   split: _batching.Split
   pad_batch: bool
   accumulator_dtype: Any
@@ -117,7 +125,8 @@ def make(
     weight_fn: Callable[..., Any] | None = None,
     rng_argnums: int | Sequence[int] | None = None,
     state_argnums: int | None = None,
-    aux_reduction: AuxReduction | None = None,
+    aux_reduction: Any = None,
+    grad_reduction: Any = None,
     split: _batching.Split = "contiguous",
     pad_batch: bool = False,
     accumulator_dtype: Any = jnp.float32,
@@ -156,7 +165,7 @@ def make(
       num_microbatches=n, argnums=diff, single_argnum=isinstance(argnums, numbers.Integral),
       batch_argnums=batch, rng_argnums=argnums_tuple(rng_argnums, "rng_argnums"),
       state_argnums=state, has_aux=has_aux, weight_fn=weight_fn, aux_reduction=aux_reduction,
-      split=split, pad_batch=pad_batch,
+      grad_reduction=grad_reduction, split=split, pad_batch=pad_batch,
       accumulator_dtype=_core.canonicalize_accumulator_dtype(accumulator_dtype),
       skip_nonfinite=skip_nonfinite is None or bool(skip_nonfinite),
       skip_nonfinite_given=skip_nonfinite is not None, mesh=mesh, data_axis=data_axis,
@@ -209,8 +218,19 @@ def _check_sharding_options(options: Options) -> None:
     )
 
 
-def check_plan(options: Options, plan: Any, params: Any) -> None:
-  """What a call's reduction plan cannot do with these options."""
+def check_plan(options: Options, plan: Any, params: Any, kinds: Sequence[str] = ()) -> None:
+  """What a call's reduction plan cannot do with these options (``kinds``: the
+  gradient leaves' :func:`grad_reductions`)."""
+  for (path, _), leaf, kind in zip(jax.tree_util.tree_flatten_with_path(params)[0],
+                                   plan.leaves, kinds):
+    if leaf.gathers and _core.is_statistic(kind):
+      raise ValueError(
+          f"grad_reduction gives the leaf {jax.tree_util.keystr(path)} {kind!r}, but it is"
+          f" sharded over the data axes {tuple(a for _, axes in leaf.gathers for a in axes)}"
+          f" (its spec over them is {leaf.spec}): a 'max' or 'last' leaf is combined"
+          " whole on each device after the loop. Replicate it over the data axes (such"
+          " statistics are a few numbers), or give it 'mean' or 'sum'."
+      )
   narrow = any(
       leaf.gathers
       and _core.is_narrow(_core.accumulator_dtype_for(x.dtype, options.accumulator_dtype))
@@ -226,19 +246,131 @@ def check_plan(options: Options, plan: Any, params: Any) -> None:
     )
 
 
+def _is_spec_leaf(x: Any) -> bool:
+  return x is None or isinstance(x, str)
+
+
+def _spec_strings(spec: Any) -> list[tuple[str, Any]]:
+  """``(where, value)`` of each leaf of a spec that is not None (the root: '')."""
+  return [
+      (jax.tree_util.keystr(path), x)
+      for path, x in jax.tree_util.tree_flatten_with_path(spec, is_leaf=_is_spec_leaf)[0]
+      if x is not None
+  ]
+
+
+def _named(option: str, where: str, value: Any) -> str:
+  """How a message names ``value`` found at ``where`` in ``option`` (the root: '')."""
+  return f"{option} has {value!r} at {where}, which" if where else f"{option}={value!r}"
+
+
+def _check_aux_reduction(options: Options) -> None:
+  for where, value in _spec_strings(options.aux_reduction):
+    if value not in AUX_REDUCTIONS:
+      raise ValueError(
+          f"{_named('aux_reduction', where, value)} is not one of {AUX_REDUCTIONS}: 'mean'"
+          " and 'sum' reduce over the microbatches (weighted as the loss), 'max' and"
+          " 'last' keep the largest or the last kept microbatch's value, 'concat'"
+          " returns per-example outputs as (batch, ...), 'stack' per-microbatch outputs"
+          " as (num_microbatches, ...). A pytree prefix of the aux gives one per leaf."
+      )
+    if value == "stack" and options.data_parallel:
+      raise ValueError(
+          f"{_named('aux_reduction', where, value)} is not available with a mesh:"
+          " per-microbatch aux differs between devices. Use 'concat' for per-example"
+          " outputs, or 'mean', 'sum', 'max' or 'last'."
+      )
+
+
+def _bad_grad_reduction(where: str, value: Any) -> ValueError:
+  return ValueError(
+      f"{_named('grad_reduction', where, value)} is not one of {GRAD_REDUCTIONS}:"
+      " 'mean' (the default) and 'sum' are the weighted mean and sum of the"
+      " microbatches' gradients, 'max' and 'last' keep the largest or the last kept"
+      " microbatch's value as the gradient function returned it (statistics such as"
+      " FP8 amax histories). Pass one of them, a pytree prefix of the gradient with"
+      " them (or None) at its leaves, or a callable (path, leaf) returning one or None."
+  )
+
+
+def _check_grad_reduction(options: Options) -> None:
+  if callable(options.grad_reduction):
+    return
+  for where, value in _spec_strings(options.grad_reduction):
+    if value not in GRAD_REDUCTIONS:
+      raise _bad_grad_reduction(where, value)
+
+
+def per_leaf_spec(spec: Any, tree: Any, option: str, what: str) -> list[tuple[Any, Any]]:
+  """Per leaf of ``tree``: the entry of ``spec`` (None, a string, or a pytree prefix
+  of ``tree`` with those at its leaves) that covers it, and that entry's key path."""
+  num_leaves = len(jax.tree.leaves(tree))
+  if _is_spec_leaf(spec):
+    return [(spec, ())] * num_leaves
+  try:
+    nested = jax.tree_util.tree_map_with_path(
+        lambda path, x, sub: [(x, path)] * len(jax.tree.leaves(sub)), spec, tree,
+        is_leaf=_is_spec_leaf,
+    )
+  except ValueError as e:
+    raise ValueError(
+        f"{option} is neither a string nor a pytree prefix of {what} (with a string or"
+        f" None at each of its leaves): {e} Match the structure of {what}, or put one"
+        " string at the top for all of it."
+    ) from e
+  groups = jax.tree.leaves(nested, is_leaf=lambda x: isinstance(x, list))
+  return [entry for group in groups for entry in group]
+
+
+def _overwritten(path: Any) -> bool:
+  """Whether ``path`` goes through Flax's ``_overwrite_with_gradient`` collection."""
+  return any(
+      getattr(key, "key", getattr(key, "name", None)) == OVERWRITE_WITH_GRADIENT for key in path
+  )
+
+
+def grad_reductions(spec: Any, grads: Any) -> tuple[str, ...]:
+  """How each gradient leaf combines over the microbatches (``grad_reduction=``).
+
+  ``spec`` is None, a string, a pytree prefix of ``grads`` with strings or None
+  at its leaves, or a callable ``(path, leaf)`` returning a string or None.
+  None means the default: "mean", but "max" for the leaves of Flax Linen's FP8
+  collection (any key named ``_overwrite_with_gradient`` on the path), whose
+  "gradient" is the new amax history or scale. That default yields only to an
+  entry placed at or below the collection (or a callable, which sees every
+  leaf's path): ``grad_reduction="sum"`` sums the gradients and keeps the FP8
+  statistics exact.
+  """
+  flat = jax.tree_util.tree_flatten_with_path(grads)[0]
+  if callable(spec):
+    given = []
+    for path, leaf in flat:
+      kind = spec(path, leaf)
+      if kind is not None and kind not in GRAD_REDUCTIONS:
+        raise _bad_grad_reduction(f"{jax.tree_util.keystr(path)} (returned by the callable)",
+                                  kind)
+      given.append((kind, path))
+  else:
+    given = per_leaf_spec(spec, grads, "grad_reduction", "the gradient (the argnums arguments)")
+  kinds = []
+  for (path, leaf), (kind, named_at) in zip(flat, given):
+    statistic = _overwritten(path)
+    if kind is None or (statistic and not _overwritten(named_at)):
+      kind = "max" if statistic else "mean"
+    if kind == "max" and not jnp.issubdtype(jnp.result_type(leaf), jnp.floating):
+      raise ValueError(
+          f"grad_reduction gives the leaf {jax.tree_util.keystr(path)} of dtype"
+          f" {jnp.result_type(leaf)} 'max', which needs real floating values. Give it"
+          " 'mean', 'sum' or 'last'."
+      )
+    kinds.append(kind)
+  return tuple(kinds)
+
+
 def _check_choices(options: Options) -> None:
   _check_sharding_options(options)
-  if options.aux_reduction is not None and options.aux_reduction not in AUX_REDUCTIONS:
-    raise ValueError(
-        f"aux_reduction={options.aux_reduction!r} is not one of {AUX_REDUCTIONS}: 'mean'"
-        " and 'sum' reduce over the microbatches, 'concat' returns per-example outputs"
-        " as (batch, ...), 'stack' per-microbatch outputs as (num_microbatches, ...)."
-    )
-  if options.aux_reduction == "stack" and options.data_parallel:
-    raise ValueError(
-        "aux_reduction='stack' is not available with a mesh: per-microbatch aux differs"
-        " between devices. Use 'concat' for per-example outputs, or 'mean' or 'sum'."
-    )
+  _check_aux_reduction(options)
+  _check_grad_reduction(options)
   if options.pad_batch and options.weight_fn is None:
     raise ValueError(
         "pad_batch=True needs weight_fn: the rows of zeros it appends must count for"

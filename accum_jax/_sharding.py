@@ -346,34 +346,51 @@ def _psum_exact(tree: Any, axes: tuple[str, ...]) -> Any:
   return jax.tree.map(lambda s, x: s.astype(x.dtype) if is_count(x) else s, summed, tree)
 
 
-def reduce(plan: Plan, sums: LocalSums) -> LocalSums:
+def reduce(
+    plan: Plan, sums: LocalSums, grad_kinds: Sequence[str] | None = None,
+    aux_kinds: Sequence[str] | None = None,
+) -> LocalSums:
   """The one cross-device reduction after the loop (inside ``shard_map``).
 
   Gradient leaves as the plan says; the loss, weights, counts, aux sums and
   noise sums added over every data axis; a threaded state averaged (as a
   synchronised BatchNorm would). A narrow accumulator holds a running mean,
-  which ``_core.merge`` weighs by each device's kept weight.
+  which ``_core.merge`` weighs by each device's kept weight. "max" and "last"
+  leaves (``grad_kinds``, ``aux_kinds``: per leaf of the gradient and of the aux
+  sums; None: none) go apart, to ``_core.merge_statistics``.
   """
   acc = sums.acc
   value, grads = acc.total
-  narrow = any(_core.is_narrow(x.dtype) for x in jax.tree.leaves(acc.total))
+  grad_leaves = jax.tree.leaves(grads)
+  kinds = [*_core.per_leaf(grad_kinds, grad_leaves),
+           *_core.per_leaf(aux_kinds, sums.aux_sums)]
+  local = [*grad_leaves, *sums.aux_sums]
+  statistics = [x if _core.is_statistic(k) else None for x, k in zip(local, kinds)]
+  rest = [None if _core.is_statistic(k) else x for x, k in zip(local, kinds)]
+  grad_leaves, aux_sums = rest[:len(grad_leaves)], rest[len(grad_leaves):]
+  narrow = any(_core.is_narrow(x.dtype) for x in jax.tree.leaves((value, grad_leaves)))
   if narrow:
-    merged = _core.merge(acc._replace(total=(value, grads)), plan.axes)
-    value, grads = merged.total
+    merged = _core.merge(acc._replace(total=(value, grad_leaves)), plan.axes)
+    value, grad_leaves = merged.total
     scalars = (merged.weight, merged.count, merged.num_skipped)
-    noise, aux_sums = _psum_exact((sums.noise, sums.aux_sums), plan.axes)
+    noise, aux_sums = _psum_exact((sums.noise, aux_sums), plan.axes)
   else:
     value, scalars, noise, aux_sums = _psum_exact(
-        (value, (acc.weight, acc.count, acc.num_skipped), sums.noise, sums.aux_sums), plan.axes
+        (value, (acc.weight, acc.count, acc.num_skipped), sums.noise, aux_sums), plan.axes
     )
-    grads = jax.tree.unflatten(plan.treedef, [
-        _reduce_leaf(g, leaf, plan) for g, leaf in zip(jax.tree.leaves(grads), plan.leaves)
-    ])
+    grad_leaves = [
+        None if g is None else _reduce_leaf(g, leaf, plan)
+        for g, leaf in zip(grad_leaves, plan.leaves)
+    ]
+  if any(x is not None for x in statistics):
+    statistics = _core.merge_statistics(statistics, kinds, acc.weight > 0, plan.axes)
+    both = [x if s is None else s for x, s in zip([*grad_leaves, *aux_sums], statistics)]
+    grad_leaves, aux_sums = both[:len(grad_leaves)], both[len(grad_leaves):]
   state = jax.tree.map(
       lambda s: jax.lax.pmean(s, plan.axes) if jnp.issubdtype(s.dtype, jnp.inexact) else s,
       sums.state,
   )
-  acc = _core.Accumulator((value, grads), *scalars)
+  acc = _core.Accumulator((value, jax.tree.unflatten(plan.treedef, grad_leaves)), *scalars)
   return LocalSums(acc, aux_sums, state, sums.per_example, noise, sums.batch_weight)
 
 
@@ -413,8 +430,11 @@ def run(
     batch_argnums: tuple[int, ...],
     param_argnums: tuple[int, ...],
     plan: Plan,
+    grad_kinds: Sequence[str] | None = None,
+    aux_kinds: Sequence[str] | None = None,
 ) -> LocalSums:
-  """Runs ``local_sums`` on each device's rows and shards; reduces once after.
+  """Runs ``local_sums`` on each device's rows and shards; reduces once after
+  (``grad_kinds``, ``aux_kinds``: see :func:`reduce`).
 
   Per-example outputs are concatenated in device order, which is batch order.
   Non-array leaves of the arguments (an Equinox module's functions, Python
@@ -434,7 +454,7 @@ def run(
   def per_device(dynamic_leaves):
     local = [d if d is not None else s for d, s in zip(dynamic_leaves, leaves)]
     sums = local_sums(jax.tree.unflatten(treedef, local), jax.lax.axis_index(plan.axes))
-    return reduce(plan, sums)
+    return reduce(plan, sums, grad_kinds, aux_kinds)
 
   grads = grad_specs(plan)
   out_specs = LocalSums(
