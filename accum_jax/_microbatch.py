@@ -658,9 +658,20 @@ def value_and_grad(
     state_argnums: an argument threaded through the microbatches in order
       (e.g. BatchNorm ``batch_stats``); ``fun`` then returns
       ``(value, (new_state, aux))`` with ``has_aux=True``.
-    aux_reduction: ``"mean"``, ``"sum"``, ``"concat"`` (per-example, in batch
-      order) or ``"stack"`` (per microbatch). None (default): concatenate the
-      leaves with a leading axis of the microbatch's rows, average the others.
+    aux_reduction: ``"mean"``, ``"sum"``, ``"max"``, ``"last"``, ``"concat"``
+      (per-example, in batch order) or ``"stack"`` (per microbatch), or a
+      pytree prefix of the aux with those (or None) at its leaves. None
+      (default): concatenate the leaves with a leading axis of the
+      microbatch's rows, average the others.
+    grad_reduction: how gradient leaves combine over the microbatches:
+      ``"mean"`` (the weighted mean), ``"sum"`` (the weighted sum), ``"max"``
+      or ``"last"`` (the largest, or the last kept microbatch's, value as the
+      gradient function returned it: statistics, not gradients); a pytree
+      prefix of the gradient with those (or None) at its leaves; or a
+      callable ``(path, leaf)`` returning one or None. None (default):
+      ``"mean"``, and ``"max"`` for Flax Linen's FP8 statistics (the
+      ``_overwrite_with_gradient`` collection) unless an entry at or below
+      that collection says otherwise. See :doc:`/guides/leaf_reductions`.
     split: ``"contiguous"`` (default) or ``"strided"`` rows per microbatch;
       ``"strided"`` for a sharded batch without ``mesh``.
     pad_batch: pad a batch that does not split with zero rows instead of

@@ -309,7 +309,7 @@ def per_leaf_spec(spec: Any, tree: Any, option: str, what: str) -> list[tuple[An
     return [(spec, ())] * num_leaves
   try:
     nested = jax.tree_util.tree_map_with_path(
-        lambda path, x, sub: [(x, path)] * len(jax.tree.leaves(sub)), spec, tree,
+        lambda path, x, sub: _Group([(x, path)] * len(jax.tree.leaves(sub))), spec, tree,
         is_leaf=_is_spec_leaf,
     )
   except ValueError as e:
@@ -318,8 +318,16 @@ def per_leaf_spec(spec: Any, tree: Any, option: str, what: str) -> list[tuple[An
         f" None at each of its leaves): {e} Match the structure of {what}, or put one"
         " string at the top for all of it."
     ) from e
-  groups = jax.tree.leaves(nested, is_leaf=lambda x: isinstance(x, list))
-  return [entry for group in groups for entry in group]
+  groups = jax.tree.leaves(nested)  # a _Group is not a pytree: one leaf each
+  return [entry for group in groups for entry in group.entries]
+
+
+class _Group:
+  """The entries of a spec for the leaves under one of its leaves (not a pytree,
+  unlike a list, which a spec may itself be)."""
+
+  def __init__(self, entries: list[tuple[Any, Any]]):
+    self.entries = entries
 
 
 def _overwritten(path: Any) -> bool:

@@ -1,0 +1,211 @@
+"""Leaves that do not add up: grad_reduction= and per-leaf aux_reduction=.
+
+A hand-made statistic leaf (a custom_vjp whose "gradient" is a new value, as
+Flax's FP8 amax histories are) beside an ordinary weight, a token-weighted loss,
+a microbatch skipped for its NaN loss, two of zero weight at the end, and one
+of large activations in the middle. Each kind is checked against references
+computed without accum_jax: the full batch's gradient for "mean" and "sum", the
+kept microbatches' statistics (each from ``jax.grad`` on its own rows) for
+"max" and "last". The same microbatches run on one device (16 of them), data
+parallel on 8 devices (2 each) and with the weight FSDP-sharded over 8 devices,
+where devices skip together (a gradient reduce-scattered per microbatch holds
+every device's share): there the odd microbatches are all skipped with the
+NaN one, and the last device keeps none.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import normal, tree_allclose
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import accum_jax
+
+BATCH, ROWS = 64, 4  # 16 microbatches of 4 rows
+SKIPPED = 3  # its loss is NaN
+LOUD = 4  # the largest statistics
+EMPTY = (14, 15)  # zero weight: the whole of the last device's rows under the mesh
+KEPT = tuple(i for i in range(BATCH // ROWS) if i != SKIPPED and i not in EMPTY)
+KEPT_TOGETHER = tuple(i for i in KEPT if i % 2 == 0)  # devices skipping together
+
+
+@jax.custom_vjp
+def observed(h, stat):
+  del stat
+  return h
+
+
+def _observed_fwd(h, stat):
+  del stat
+  return h, h
+
+
+def _observed_bwd(h, g):
+  # The "gradient" of `stat` is a new statistic of the activations, whatever the
+  # loss's scale: negative, so that an empty maximum of 0 would show.
+  return g, jnp.max(h, axis=0) - 100.0
+
+
+observed.defvjp(_observed_fwd, _observed_bwd)
+
+
+def make_params() -> dict[str, np.ndarray]:
+  return {"w": normal(0, (8, 8), 0.3), "stat": np.zeros(8, np.float32)}
+
+
+def make_batch() -> dict[str, np.ndarray]:
+  x, y = normal(1, (BATCH, 8)), normal(2, (BATCH, 8))
+  mask = (normal(3, (BATCH, 8)) > -0.5).astype(np.float32)  # uneven tokens per microbatch
+  rows = lambda i: slice(i * ROWS, (i + 1) * ROWS)  # noqa: E731
+  x[rows(SKIPPED)] *= 30.0
+  y[rows(SKIPPED)] = np.nan
+  x[rows(LOUD)] *= 5.0
+  for i in EMPTY:
+    mask[rows(i)] = 0.0
+  return {"x": x, "y": y, "mask": mask}
+
+
+def loss_fn(params, batch):
+  h = observed(batch["x"] @ params["w"], params["stat"])
+  tokens = jnp.sum(batch["mask"])
+  loss = jnp.sum((h - batch["y"]) ** 2 * batch["mask"]) / tokens
+  aux = {
+      "loss": loss,  # a token-weighted loss: "mean"
+      "balance": jnp.var(jnp.mean(h, axis=0)),  # one per microbatch, added: "sum"
+      "logits": h,  # per example: "concat"
+      "peak": jnp.max(h),  # "max"
+      "seen": batch["x"][0, 0],  # "last"
+      "rows": jnp.sum(h, axis=1),  # per example, reduction left to the default
+  }
+  return loss, aux
+
+
+AUX_REDUCTION = {"loss": "mean", "balance": "sum", "logits": "concat", "peak": "max",
+                 "seen": "last", "rows": None}
+
+
+def weight_fn(batch):
+  return jnp.sum(batch["mask"])
+
+
+# Each spec, and the kind it gives "w" and "stat".
+SPECS = {
+    "pytree": ({"w": "sum", "stat": "max"}, "sum", "max"),
+    "callable": (lambda path, leaf: "last" if path[0].key == "stat" else None, "mean", "last"),
+}
+
+
+def _microbatch(batch, i):
+  return jax.tree.map(lambda x: x[i * ROWS:(i + 1) * ROWS], batch)
+
+
+_ONE = jax.jit(jax.grad(loss_fn, has_aux=True))
+_FULL = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))
+
+
+@functools.cache
+def references(kept: tuple[int, ...] = KEPT) -> dict[str, Any]:
+  """Without accum_jax: the full batch of the ``kept`` microbatches (and the
+  zero-weight ones, which add nothing), and each kept microbatch's own gradient
+  and aux."""
+  params, batch = make_params(), make_batch()
+  per = {i: _ONE(params, _microbatch(batch, i)) for i in kept}
+  rows = np.concatenate([np.arange(i * ROWS, (i + 1) * ROWS) for i in sorted(kept + EMPTY)])
+  (loss, _), mean = _FULL(params, jax.tree.map(lambda x: x[rows], batch))
+  tokens = sum(float(weight_fn(_microbatch(batch, i))) for i in kept)
+  logits = jnp.concatenate(
+      [jax.jit(loss_fn)(params, _microbatch(batch, i))[1]["logits"] for i in range(16)])
+  last = kept[-1]
+  return {
+      "loss": loss,
+      "mean": mean["w"],
+      "sum": mean["w"] * tokens,
+      "max": jnp.max(jnp.stack([per[i][0]["stat"] for i in kept]), axis=0),
+      "last": per[last][0]["stat"],
+      "aux": {
+          "loss": loss,
+          "balance": sum(per[i][1]["balance"] for i in kept),
+          "logits": logits,
+          "peak": max(per[i][1]["peak"] for i in kept),
+          "seen": per[last][1]["seen"],
+          "rows": jnp.sum(logits, axis=1),
+      },
+  }
+
+
+def _mesh():
+  return jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+
+
+# Where the batch runs: the options of value_and_grad, how the weight is placed,
+# which microbatches are kept and how many skips are counted.
+LAYOUTS = {
+    "one device": (dict(num_microbatches=16), None, KEPT, 1),
+    "data parallel": (dict(num_microbatches=2, data_axis="data"), P(), KEPT, 1),
+    "fsdp": (dict(num_microbatches=2, data_axis="data",
+                  param_sharding={"w": P("data", None), "stat": P()}), P("data", None),
+             KEPT_TOGETHER, 8),
+}
+
+
+@functools.cache
+def run(layout: str, spec: str):
+  options, w_spec, _, _ = LAYOUTS[layout]
+  params, batch = make_params(), make_batch()
+  if w_spec is not None:
+    mesh = _mesh()
+    options = dict(options, mesh=mesh)
+    params = {"w": jax.device_put(params["w"], NamedSharding(mesh, w_spec)),
+              "stat": jax.device_put(params["stat"], NamedSharding(mesh, P()))}
+    batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
+  vg = accum_jax.value_and_grad(
+      loss_fn, has_aux=True, weight_fn=weight_fn, return_info=True,
+      grad_reduction=SPECS[spec][0], aux_reduction=AUX_REDUCTION, **options,
+  )
+  return jax.jit(vg)(params, batch)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_each_kind_equals_the_plain_computation_skipped_microbatches_left_out(layout, spec):
+  (loss, _), grads, info = run(layout, spec)
+  *_, kept, num_skipped = LAYOUTS[layout]
+  ref = references(kept)
+  _, w_kind, stat_kind = SPECS[spec]
+  assert int(info.num_skipped) == num_skipped
+  tree_allclose(loss, ref["loss"])
+  tree_allclose(grads["w"], ref[w_kind])
+  # A statistic is a value some microbatch returned: exactly that value.
+  np.testing.assert_array_equal(grads["stat"], ref[stat_kind])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_aux_reduced_per_leaf_as_the_pytree_says(layout):
+  (_, aux), _, _ = run(layout, "pytree")
+  tree_allclose(aux, references(LAYOUTS[layout][2])["aux"])
+
+
+def test_a_string_keeps_the_fp8_collection_at_max_and_the_collection_named_overrides_it():
+  # The statistic leaf placed where Flax puts FP8 statistics.
+  def fp8_loss(variables, batch):
+    return loss_fn({"w": variables["params"]["w"],
+                    "stat": variables["_overwrite_with_gradient"]["stat"]}, batch)
+
+  params = make_params()
+  variables = {"params": {"w": params["w"]}, "_overwrite_with_gradient": {"stat": params["stat"]}}
+  ref = references()
+  batch = make_batch()
+  for spec, stat_kind in (("sum", "max"), (None, "max"),
+                          ({"params": "sum", "_overwrite_with_gradient": "last"}, "last")):
+    vg = accum_jax.value_and_grad(fp8_loss, 16, has_aux=True, weight_fn=weight_fn,
+                                  grad_reduction=spec)
+    _, grads = jax.jit(vg)(variables, batch)
+    np.testing.assert_array_equal(grads["_overwrite_with_gradient"]["stat"], ref[stat_kind])
+    tree_allclose(grads["params"]["w"], ref["mean" if spec is None else "sum"])
