@@ -18,6 +18,12 @@ threads through a ``lax.scan`` (:func:`nnx_value_and_grad` splits and merges it)
 
 Step counters: ``TrainState.step`` and ``nnx.Optimizer.step`` count calls;
 :func:`accum_jax.optimizer_step` counts the updates actually applied.
+
+Linen's FP8 layers need nothing from here either: the leaves of their
+``_overwrite_with_gradient`` collection (amax histories and scales, whose
+"gradient" is the new value) combine by max over the microbatches by default in
+:func:`accum_jax.value_and_grad` itself, found by the collection's name, so that
+the default holds with or without this module (see ``grad_reduction``).
 """
 
 from __future__ import annotations

@@ -204,7 +204,24 @@ TRIGGERS: dict[str, Callable[[], object]] = {
     "one argument has two roles (e.g. in `argnums` and `batch_argnums`)": lambda: _vg(
         argnums=1, batch_argnums=1
     ),
-    "`aux_reduction` is unknown": lambda: _vg(aux_reduction="max"),
+    "`aux_reduction` is unknown (a string, or one at a leaf of a pytree)": lambda: _vg(
+        aux_reduction="median"
+    ),
+    "`grad_reduction` is unknown (a string, or one at a leaf of a pytree)": lambda: _vg(
+        grad_reduction="avg"
+    ),
+    "a `grad_reduction` callable returns an unknown value": lambda: _vg(
+        grad_reduction=lambda path, leaf: "maximum"
+    )(W, jnp.ones((4, 3))),
+    "`grad_reduction` (or `aux_reduction`) is a pytree that is not a prefix of the gradient"
+    " (the aux)": lambda: _vg(grad_reduction={"w": "max"})(W, jnp.ones((4, 3))),
+    "`grad_reduction` gives `'max'` to a complex leaf": lambda: _vg(grad_reduction="max")(
+        W.astype(jnp.complex64), jnp.ones((4, 3))
+    ),
+    "a `'max'` or `'last'` leaf is sharded over a data axis": lambda: accum_jax.value_and_grad(
+        _loss, 1, mesh=_mesh(), param_sharding=jax.sharding.PartitionSpec("data"),
+        grad_reduction="last",
+    )(jnp.ones(8), jnp.ones((8, 8))),
     "`split` is unknown": lambda: _vg(split="rows"),
     "`pad_batch=True` without `weight_fn`": lambda: _vg(pad_batch=True),
     "`state_argnums` without `has_aux=True`": lambda: _vg(state_argnums=2),
