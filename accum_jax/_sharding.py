@@ -362,8 +362,9 @@ def reduce(
   acc = sums.acc
   value, grads = acc.total
   grad_leaves = jax.tree.leaves(grads)
-  kinds = [*_core.per_leaf(grad_kinds, grad_leaves),
-           *_core.per_leaf(aux_kinds, sums.aux_sums)]
+  # One kind per entry of aux_sums, the None of per-example leaves included.
+  aux_kinds = ("sum",) * len(sums.aux_sums) if aux_kinds is None else aux_kinds
+  kinds = [*_core.per_leaf(grad_kinds, grad_leaves), *aux_kinds]
   local = [*grad_leaves, *sums.aux_sums]
   statistics = [x if _core.is_statistic(k) else None for x, k in zip(local, kinds)]
   rest = [None if _core.is_statistic(k) else x for x, k in zip(local, kinds)]
