@@ -247,6 +247,13 @@ def per_leaf(kinds: Any, tree: Any) -> list[str]:
   return list(kinds)
 
 
+def gradient_leaves(tree: Any, kinds: Any) -> list[Any]:
+  """The leaves of ``tree`` that are gradients ("mean", "sum"), not statistics: what a
+  gradient-noise estimate looks at."""
+  return [x for x, kind in zip(jax.tree.leaves(tree), per_leaf(kinds, tree))
+          if not is_statistic(kind)]
+
+
 def init_leaf(x: Any, kind: str, accumulator_dtype: Any) -> jax.Array:
   """The empty accumulator of one leaf: a statistic in the leaf's own dtype (its
   max or last value is exact there), a sum in the accumulator dtype."""

@@ -603,10 +603,7 @@ def _noise_estimate(sums: _sharding.LocalSums, shapes: _Shapes) -> _noise.Gradie
 def _gradients_only(grads: Any, shapes: _Shapes) -> Any:
   """The leaves of ``grads`` that are gradients: "max" and "last" leaves are
   statistics, which no gradient-noise estimate should see."""
-  if shapes.grad_kinds is None:
-    return grads
-  return [g for g, kind in zip(jax.tree.leaves(grads), shapes.grad_kinds)
-          if not _core.is_statistic(kind)]
+  return grads if shapes.grad_kinds is None else _core.gradient_leaves(grads, shapes.grad_kinds)
 
 
 def value_and_grad(

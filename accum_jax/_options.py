@@ -282,23 +282,24 @@ def _check_aux_reduction(options: Options) -> None:
       )
 
 
-def _bad_grad_reduction(where: str, value: Any) -> ValueError:
+def _bad_grad_reduction(where: str, value: Any, option: str) -> ValueError:
   return ValueError(
-      f"{_named('grad_reduction', where, value)} is not one of {GRAD_REDUCTIONS}:"
-      " 'mean' (the default) and 'sum' are the weighted mean and sum of the"
-      " microbatches' gradients, 'max' and 'last' keep the largest or the last kept"
-      " microbatch's value as the gradient function returned it (statistics such as"
-      " FP8 amax histories). Pass one of them, a pytree prefix of the gradient with"
-      " them (or None) at its leaves, or a callable (path, leaf) returning one or None."
+      f"{_named(option, where, value)} is not one of {GRAD_REDUCTIONS}: 'mean' (the"
+      " default) and 'sum' are the weighted mean and sum of the gradients, 'max' and"
+      " 'last' keep the largest, or the last kept, of the values given for a leaf,"
+      " unweighted (statistics such as FP8 amax histories). Pass one of them, a pytree"
+      " prefix of the gradient with them (or None) at its leaves, or a callable"
+      " (path, leaf) returning one or None."
   )
 
 
-def _check_grad_reduction(options: Options) -> None:
-  if callable(options.grad_reduction):
+def check_grad_reduction(spec: Any, option: str = "grad_reduction") -> None:
+  """What can be checked of a per-leaf reduction spec before the gradient's tree is known."""
+  if callable(spec):
     return
-  for where, value in _spec_strings(options.grad_reduction):
+  for where, value in _spec_strings(spec):
     if value not in GRAD_REDUCTIONS:
-      raise _bad_grad_reduction(where, value)
+      raise _bad_grad_reduction(where, value, option)
 
 
 def per_leaf_spec(spec: Any, tree: Any, option: str, what: str) -> list[tuple[Any, Any]]:
@@ -337,8 +338,8 @@ def _overwritten(path: Any) -> bool:
   )
 
 
-def grad_reductions(spec: Any, grads: Any) -> tuple[str, ...]:
-  """How each gradient leaf combines over the microbatches (``grad_reduction=``).
+def grad_reductions(spec: Any, grads: Any, option: str = "grad_reduction") -> tuple[str, ...]:
+  """How each gradient leaf combines (``grad_reduction=``, ``accumulate``'s ``reduction=``).
 
   ``spec`` is None, a string, a pytree prefix of ``grads`` with strings or None
   at its leaves, or a callable ``(path, leaf)`` returning a string or None.
@@ -356,10 +357,10 @@ def grad_reductions(spec: Any, grads: Any) -> tuple[str, ...]:
       kind = spec(path, leaf)
       if kind is not None and kind not in GRAD_REDUCTIONS:
         raise _bad_grad_reduction(f"{jax.tree_util.keystr(path)} (returned by the callable)",
-                                  kind)
+                                  kind, option)
       given.append((kind, path))
   else:
-    given = per_leaf_spec(spec, grads, "grad_reduction", "the gradient (the argnums arguments)")
+    given = per_leaf_spec(spec, grads, option, "the gradient (the parameters' structure)")
   kinds = []
   for (path, leaf), (kind, named_at) in zip(flat, given):
     statistic = _overwritten(path)
@@ -367,7 +368,7 @@ def grad_reductions(spec: Any, grads: Any) -> tuple[str, ...]:
       kind = "max" if statistic else "mean"
     if kind == "max" and not jnp.issubdtype(jnp.result_type(leaf), jnp.floating):
       raise ValueError(
-          f"grad_reduction gives the leaf {jax.tree_util.keystr(path)} of dtype"
+          f"{option} gives the leaf {jax.tree_util.keystr(path)} of dtype"
           f" {jnp.result_type(leaf)} 'max', which needs real floating values. Give it"
           " 'mean', 'sum' or 'last'."
       )
@@ -378,7 +379,7 @@ def grad_reductions(spec: Any, grads: Any) -> tuple[str, ...]:
 def _check_choices(options: Options) -> None:
   _check_sharding_options(options)
   _check_aux_reduction(options)
-  _check_grad_reduction(options)
+  check_grad_reduction(options.grad_reduction)
   if options.pad_batch and options.weight_fn is None:
     raise ValueError(
         "pad_batch=True needs weight_fn: the rows of zeros it appends must count for"

@@ -3,7 +3,7 @@
 :func:`accumulate`'s ``update`` is a short composition of the steps below::
 
   options = _make_options(...)                  # once, when it is built
-  call = _bind(grads, state, params, ...)       # per call: checks, window arguments
+  call = _bind(options, grads, state, ...)      # per call: checks, window arguments
   window = _add(options, call, state)           # the call into the window; does it end?
   updates, inner_state, last_noise = _step_inner(options, call, state, window)
                                                 # the inner update, on emitting calls only
@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from accum_jax import _core, _noise
+from accum_jax import _core, _noise, _options
 
 
 class EveryKSchedule(Protocol):
@@ -322,7 +322,8 @@ class _Options(NamedTuple):
   schedule: EveryKSchedule | None  # None: the window length is in the state
   by_noise: NoiseScaleSchedule | None  # every_k given as a noise_scale_every_k
   track_noise: bool  # the state keeps the gradient-noise sums
-  reduction: _core.Reduction
+  reduction: Any  # per leaf: a string, a pytree prefix or a callable (_options.grad_reductions)
+  value_reduction: str  # of `value`: "sum" where reduction is "sum", else "mean"
   accumulator_dtype: Any
   skip_nonfinite: bool
   skip_fn: ShouldSkipUpdateFunction
@@ -332,6 +333,7 @@ class _Call(NamedTuple):
   """The arguments of one ``update``, checked."""
 
   grads: Any
+  kinds: tuple[str, ...]  # how each gradient leaf combines (_core.per_leaf)
   params: Any
   weight: Any  # a scalar, or None: the call weighs 1
   flush: jax.Array  # shape=(), dtype=bool
@@ -358,17 +360,14 @@ def _make_options(
 ) -> _Options:
   by_noise = every_k if isinstance(every_k, NoiseScaleSchedule) else None
   schedule = None if by_noise else _check_every_k(every_k, every_k_name)
-  if reduction not in _core.REDUCTIONS:
-    raise ValueError(
-        f"reduction={reduction!r} is not one of {_core.REDUCTIONS}: 'mean'"
-        " divides the accumulated gradient by the total weight, 'sum' does not."
-    )
+  _options.check_grad_reduction(reduction, "reduction")
   return _Options(
       inner=optax.with_extra_args_support(inner),
       schedule=schedule,
       by_noise=by_noise,
       track_noise=gradient_noise or by_noise is not None,
       reduction=reduction,
+      value_reduction="sum" if reduction == "sum" else "mean",
       accumulator_dtype=_core.canonicalize_accumulator_dtype(accumulator_dtype),
       skip_nonfinite=skip_nonfinite,
       skip_fn=should_skip_update_fn or _no_skip,
@@ -382,7 +381,7 @@ def _init(options: _Options, params: Any) -> AccumulationState:
   zeros = jax.tree.map(jnp.zeros_like, grads_like)
   _, skip_state = options.skip_fn(zeros, jnp.zeros((), jnp.int32), params)
   return AccumulationState(
-      accumulator=_core.init(grads_like, options.accumulator_dtype),
+      accumulator=_core.init(grads_like, options.accumulator_dtype, _kinds(options, grads_like)),
       optimizer_step=jnp.zeros((), jnp.int32),
       inner_opt_state=_sharded_like(options.inner.init(params), params),
       last_updated=jnp.array(False),
@@ -436,7 +435,13 @@ def _sharded_like(tree: Any, params: Any) -> Any:
   return jax.tree.map_with_path(shard, tree)
 
 
-def _bind(grads, state, params, weight, flush, extra_args) -> _Call:
+def _kinds(options: _Options, grads: Any) -> tuple[str, ...]:
+  """How each leaf of ``grads`` combines: ``reduction`` per leaf, Flax's FP8
+  statistics "max" by default (see ``_options.grad_reductions``)."""
+  return _options.grad_reductions(options.reduction, grads, "reduction")
+
+
+def _bind(options, grads, state, params, weight, flush, extra_args) -> _Call:
   """Checks one call's arguments (at trace time) and sorts its extra arguments."""
   _check_tree_matches(grads, state.accumulator.total)
   _check_weight(weight)
@@ -448,6 +453,7 @@ def _bind(grads, state, params, weight, flush, extra_args) -> _Call:
     value = jnp.asarray(value)
   return _Call(
       grads=grads,
+      kinds=_kinds(options, grads),
       params=params,
       weight=weight,
       flush=flush,
@@ -468,7 +474,8 @@ def _add(options: _Options, call: _Call, state: AccumulationState) -> _Window:
     accept = accept & jnp.isfinite(call.value)
   previous = state.accumulator._replace(total=_window_sum(state.accumulator))
   accumulator, kept = _core.add(
-      previous, call.grads, call.weight, skip_nonfinite=options.skip_nonfinite, accept=accept
+      previous, call.grads, call.weight, skip_nonfinite=options.skip_nonfinite, accept=accept,
+      kinds=call.kinds,
   )
   value_accumulator = state.value_accumulator
   if call.value is not None:
@@ -478,7 +485,8 @@ def _add(options: _Options, call: _Call, state: AccumulationState) -> _Window:
   # Per call without weight=: B_simple is then counted in calls.
   noise = (
       _noise.add(
-          state.noise, call.grads, jnp.asarray(1.0 if call.weight is None else call.weight), kept
+          state.noise, _core.gradient_leaves(call.grads, call.kinds),
+          jnp.asarray(1.0 if call.weight is None else call.weight), kept,
       )
       if options.track_noise else ()
   )
@@ -487,7 +495,7 @@ def _add(options: _Options, call: _Call, state: AccumulationState) -> _Window:
       accumulator, kept, skip_state, value_accumulator, noise, done,
       apply=done & (accumulator.weight > 0),
   )
-  return _drop_overflowing_sum(window, call) if options.reduction == "sum" else window
+  return _drop_overflowing_sum(window, call) if "sum" in call.kinds else window
 
 
 def _window_length(options: _Options, state: AccumulationState) -> jax.Array:
@@ -501,7 +509,7 @@ def _drop_overflowing_sum(window: _Window, call: _Call) -> _Window:
   """A float16 sum beyond 65504 would reach the inner optimizer as inf: the
   window is dropped and its calls counted as skipped, like non-finite ones."""
   acc = window.accumulator
-  overflows = window.apply & ~_core.sum_fits(acc, call.grads)
+  overflows = window.apply & ~_core.sum_fits(acc, call.grads, call.kinds)
   return window._replace(
       accumulator=acc._replace(
           num_skipped=acc.num_skipped + jnp.where(overflows, acc.count, 0).astype(jnp.int32)
@@ -512,10 +520,10 @@ def _drop_overflowing_sum(window: _Window, call: _Call) -> _Window:
 
 def _inner_update(options, call, inner_state, window, value_window):
   """The inner optimizer's update on the window's gradient (and `value`)."""
-  grads = _core.result(window, call.grads, options.reduction)
+  grads = _core.result(window, call.grads, call.kinds)
   window_args = {}
   if call.value is not None:
-    window_args["value"] = _core.result(value_window, call.value, options.reduction)
+    window_args["value"] = _core.result(value_window, call.value, options.value_reduction)
   if call.window_grad:
     window_args["grad"] = grads
   return options.inner.update(grads, inner_state, call.params, **call.extra_args, **window_args)
@@ -540,7 +548,7 @@ def _step_inner(options, call, state, window) -> tuple[Any, Any, Any]:
 
   def emit(inner_state, acc, value_window):
     new_updates, new_inner_state = inner_update(inner_state, acc, value_window)
-    window_noise = _window_noise(window.noise, acc, call.grads) if options.track_noise else ()
+    window_noise = _window_noise(window.noise, acc, call) if options.track_noise else ()
     return new_updates, _cast_like(new_inner_state, inner_state), window_noise
 
   def hold(inner_state, acc, value_window):
@@ -559,7 +567,7 @@ def _next_state(options, call, state, window, inner_state, last_noise) -> Accumu
   if call.value is not None:
     window_value = jnp.where(
         window.apply,
-        _core.result(window.value_accumulator, window_value, options.reduction),
+        _core.result(window.value_accumulator, window_value, options.value_reduction),
         window_value,
     )
   acc = window.accumulator
@@ -588,7 +596,7 @@ def _accumulate(
     inner: optax.GradientTransformation,
     every_k: int | EveryKSchedule,
     *,
-    reduction: _core.Reduction = "mean",
+    reduction: _core.Reduction | Any = "mean",
     accumulator_dtype: Any = jnp.float32,
     skip_nonfinite: bool = True,
     should_skip_update_fn: ShouldSkipUpdateFunction | None = None,
@@ -605,7 +613,7 @@ def _accumulate(
     return _init(options, params)
 
   def update_fn(updates, state, params=None, *, weight=None, flush=False, **extra_args):
-    call = _bind(updates, state, params, weight, flush, extra_args)
+    call = _bind(options, updates, state, params, weight, flush, extra_args)
     window = _add(options, call, state)
     new_updates, inner_state, last_noise = _step_inner(options, call, state, window)
     return new_updates, _next_state(options, call, state, window, inner_state, last_noise)
@@ -627,12 +635,16 @@ def _init_noise(track_noise: bool, by_noise: NoiseScaleSchedule | None) -> dict[
   return fields
 
 
-def _window_noise(noise: Any, window: _core.Accumulator, like: Any) -> Any:
-  """The window's GradientNoise, from its sums and its float32 mean gradient."""
+def _window_noise(noise: Any, window: _core.Accumulator, call: _Call) -> Any:
+  """The window's GradientNoise, from its sums and its float32 mean gradient (of
+  the gradient leaves: statistics are left out)."""
   wide = jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, jnp.promote_types(x.dtype, jnp.float32)), like
+      lambda x: jax.ShapeDtypeStruct(x.shape, jnp.promote_types(x.dtype, jnp.float32)),
+      call.grads,
   )
-  return _noise.estimate(noise, _core.result(window, wide, "mean"))
+  kinds = tuple("mean" if k == "sum" else k for k in call.kinds)
+  mean = _core.result(window, wide, kinds)
+  return _noise.estimate(noise, _core.gradient_leaves(mean, kinds))
 
 
 def _next_noise(state, window, last_noise, by_noise) -> dict[str, Any]:
@@ -662,7 +674,7 @@ def accumulate(
     inner: optax.GradientTransformation,
     every_k: int | EveryKSchedule,
     *,
-    reduction: _core.Reduction = "mean",
+    reduction: _core.Reduction | Any = "mean",
     accumulator_dtype: Any = jnp.float32,
     skip_nonfinite: bool = True,
     gradient_noise: bool = False,
@@ -682,7 +694,14 @@ def accumulate(
       step to the number of calls (:func:`accum_jax.every_k_schedule`,
       :func:`accum_jax.noise_scale_every_k`).
     reduction: ``"mean"`` (default) divides the accumulated gradient by the
-      total weight; ``"sum"`` passes the weighted sum.
+      total weight; ``"sum"`` passes the weighted sum; ``"max"`` and ``"last"``
+      pass the largest, or the last kept call's, value of a leaf (unweighted: a
+      statistic, not a gradient). One for every leaf, a pytree prefix of the
+      gradient with them (or None) at its leaves, or a callable ``(path, leaf)``
+      returning one or None, as ``grad_reduction`` of
+      :func:`accum_jax.value_and_grad`; Flax's FP8 statistics
+      (``_overwrite_with_gradient``) are "max" unless named. See
+      :doc:`/guides/leaf_reductions`.
     accumulator_dtype: the least precision of the running sum (float32 by
       default); None keeps the gradients' dtype.
     skip_nonfinite: skip, and count in ``state.num_skipped``, a call whose

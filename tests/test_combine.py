@@ -10,7 +10,8 @@ kept microbatches' statistics (each from ``jax.grad`` on its own rows) for
 parallel on 8 devices (2 each) and with the weight FSDP-sharded over 8 devices,
 where devices skip together (a gradient reduce-scattered per microbatch holds
 every device's share): there the odd microbatches are all skipped with the
-NaN one, and the last device keeps none.
+NaN one, and the last device keeps none. Across calls, ``accumulate`` takes the
+same specs, one microbatch's ``jax.grad`` per call.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from helpers import normal, tree_allclose
 from jax.sharding import NamedSharding
@@ -209,3 +211,35 @@ def test_a_string_keeps_the_fp8_collection_at_max_and_the_collection_named_overr
     _, grads = jax.jit(vg)(variables, batch)
     np.testing.assert_array_equal(grads["_overwrite_with_gradient"]["stat"], ref[stat_kind])
     tree_allclose(grads["params"]["w"], ref["mean" if spec is None else "sum"])
+
+
+def _as_fp8_collection(tree):
+  """The statistic where Flax keeps FP8 statistics."""
+  return {"params": {"w": tree["w"]}, "_overwrite_with_gradient": {"stat": tree["stat"]}}
+
+
+# Across calls: each spec, how the gradient is laid out, and the kinds of "w" and "stat".
+CALL_SPECS = {
+    "pytree": (SPECS["pytree"][0], lambda tree: tree, "sum", "max"),
+    "callable": (SPECS["callable"][0], lambda tree: tree, "mean", "last"),
+    "fp8 default": ("mean", _as_fp8_collection, "mean", "max"),
+}
+
+
+@pytest.mark.parametrize("spec", CALL_SPECS)
+def test_accumulate_combines_each_leaf_as_its_reduction_says_over_calls(spec):
+  reduction, layout, w_kind, stat_kind = CALL_SPECS[spec]
+  params, batch = make_params(), make_batch()
+  # 16 calls, one skipped (not counted): the window closes on the last.
+  opt = accum_jax.accumulate(optax.sgd(1.0), every_k=15, reduction=reduction)
+  update = jax.jit(opt.update)
+  state = opt.init(layout(params))
+  for i in range(16):
+    microbatch = _microbatch(batch, i)
+    grads, _ = _ONE(params, microbatch)
+    updates, state = update(layout(grads), state, layout(params), weight=weight_fn(microbatch))
+  ref = references()
+  assert bool(accum_jax.has_updated(state)) and int(state.num_skipped) == 1
+  stat, w = jax.tree.leaves(updates)  # in this order in either layout
+  tree_allclose(-w, ref[w_kind])
+  np.testing.assert_array_equal(-stat, ref[stat_kind])

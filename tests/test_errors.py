@@ -164,7 +164,7 @@ TRIGGERS: dict[str, Callable[[], object]] = {
     "`every_k_schedule` is below 1 or not an int": lambda: accum_jax.MultiSteps(
         optax.sgd(1.0), every_k_schedule=0
     ),
-    "`reduction` is neither `'mean'` nor `'sum'`": lambda: accum_jax.accumulate(
+    "`reduction` is unknown (a string, or one at a leaf of a pytree)": lambda: accum_jax.accumulate(
         optax.sgd(1.0), every_k=2, reduction="avg"
     ),
     "`accumulator_dtype` is an integer dtype": lambda: accum_jax.accumulate(
