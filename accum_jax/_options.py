@@ -225,7 +225,8 @@ def check_plan(options: Options, plan: Any, params: Any, kinds: Sequence[str] = 
                                    plan.leaves, kinds):
     if leaf.gathers and _core.is_statistic(kind):
       raise ValueError(
-          f"grad_reduction gives the leaf {jax.tree_util.keystr(path)} {kind!r}, but it is"
+          f"The gradient leaf {jax.tree_util.keystr(path)} combines by {kind!r} (its"
+          " grad_reduction, or the default for Flax's FP8 statistics), but its parameter is"
           f" sharded over the data axes {tuple(a for _, axes in leaf.gathers for a in axes)}"
           f" (its spec over them is {leaf.spec}): a 'max' or 'last' leaf is combined"
           " whole on each device after the loop. Replicate it over the data axes (such"
