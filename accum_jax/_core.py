@@ -486,6 +486,14 @@ def add_share(
   return _counted(acc, admission, total, new_weight)
 
 
+def share_factor(acc: Accumulator, batch_weight: jax.Array) -> jax.Array:
+  """``W / sum_kept w_i`` (0 where nothing was kept): what turns the wide "mean"
+  leaves of an :func:`add_share` accumulator into the kept microbatches' weighted
+  mean."""
+  kept = acc.weight > 0
+  return jnp.where(kept, batch_weight / jnp.where(kept, acc.weight, 1.0), 0.0)
+
+
 def share_result(
     acc: Accumulator, like: Any, batch_weight: jax.Array, kinds: Any = None
 ) -> Any:
@@ -505,8 +513,7 @@ def share_result(
   Returns:
     A pytree with the structure of ``acc.total`` and the dtypes of ``like``.
   """
-  factor = jnp.where(acc.weight > 0, batch_weight / jnp.where(acc.weight > 0, acc.weight, 1.0),
-                     0.0)
+  factor = share_factor(acc, batch_weight)
 
   def finish(total, x, kind):
     if is_statistic(kind):

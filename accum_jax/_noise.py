@@ -68,13 +68,42 @@ class NoiseSums(NamedTuple):
   count: jax.Array  # type: ignore[assignment]  # shadows tuple.count
 
 
+# Real leaves of up to _SMALL_LEAF elements are squared and summed together, one
+# pass over their concatenation per dtype (in groups of at most _SMALL_GROUP
+# elements): a model of many small leaves (norms, biases, the embeddings of a small
+# model) pays one reduction per microbatch rather than one per leaf, for a copy of
+# at most _SMALL_GROUP elements. Larger leaves keep their own reduction, which reads
+# them where they lie.
+_SMALL_LEAF = 1 << 14
+_SMALL_GROUP = 1 << 16
+
+
+def _sum_sq(x: jax.Array) -> jax.Array:
+  x = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+  return jnp.sum(jnp.abs(x) ** 2).real.astype(jnp.float32)
+
+
+def _small_groups(leaves: list[jax.Array]) -> list[list[jax.Array]]:
+  """The small real leaves, by dtype, in groups of at most ``_SMALL_GROUP`` elements."""
+  groups: dict[Any, list[list[jax.Array]]] = {}
+  for x in leaves:
+    open_groups = groups.setdefault(x.dtype, [[]])
+    if sum(y.size for y in open_groups[-1]) + x.size > _SMALL_GROUP:
+      open_groups.append([])
+    open_groups[-1].append(jnp.ravel(x))
+  return [g for by_dtype in groups.values() for g in by_dtype]
+
+
 def squared_norm(tree: Any) -> jax.Array:
   """``sum |x|^2`` over the leaves of ``tree``, in float32 at least."""
-  leaves = [
-      jnp.sum(jnp.abs(x.astype(jnp.promote_types(x.dtype, jnp.float32))) ** 2)
-      for x in jax.tree.leaves(tree)
-  ]
-  return jnp.sum(jnp.stack(leaves)).real if leaves else jnp.zeros((), jnp.float32)
+  leaves = jax.tree.leaves(tree)
+  is_small = [x.size <= _SMALL_LEAF and not jnp.iscomplexobj(x) for x in leaves]
+  parts = [_sum_sq(x) for x, small in zip(leaves, is_small) if not small]
+  for group in _small_groups([x for x, small in zip(leaves, is_small) if small]):
+    # The barrier keeps XLA from splitting the sum of a concatenation back into
+    # one sum per leaf.
+    parts.append(_sum_sq(jax.lax.optimization_barrier(jnp.concatenate(group))))
+  return sum(parts[1:], parts[0]) if parts else jnp.zeros((), jnp.float32)
 
 
 def zero_sums() -> NoiseSums:
@@ -102,9 +131,9 @@ def add(
   )
 
 
-def estimate(sums: NoiseSums, mean_grads: Any) -> GradientNoise:
-  """The estimates from the sums and the combined (weighted mean) gradient."""
-  g_sq = squared_norm(mean_grads)
+def estimate(sums: NoiseSums, g_sq: jax.Array) -> GradientNoise:
+  """The estimates from the sums and ``g_sq``, the squared norm of the combined
+  (weighted mean) gradient (:func:`squared_norm`)."""
   batches = sums.count.astype(jnp.float32)
   total = sums.weight
   usable = (sums.count >= 2) & (total > 0)

@@ -644,7 +644,7 @@ def _window_noise(noise: Any, window: _core.Accumulator, call: _Call) -> Any:
   )
   kinds = tuple("mean" if k == "sum" else k for k in call.kinds)
   mean = _core.result(window, wide, kinds)
-  return _noise.estimate(noise, _core.gradient_leaves(mean, kinds))
+  return _noise.estimate(noise, _noise.squared_norm(_core.gradient_leaves(mean, kinds)))
 
 
 def _next_noise(state, window, last_noise, by_noise) -> dict[str, Any]:

@@ -207,3 +207,90 @@ def test_gradient_noise_is_found_in_an_nnx_optimizer():
   noise = accum_jax.gradient_noise(opt)  # calls of 1 and 3: |g|^2 = 4, spread 2
   assert isinstance(noise.trace_cov, jax.Array)
   np.testing.assert_allclose((noise.grad_sq, noise.trace_cov), (3.0, 2.0))
+
+
+# One step's estimate is the formula on the small batches' gradients, whatever the
+# leaves: a leaf too large to be concatenated with the others, small leaves, a
+# complex leaf.
+
+def mixed_params():
+  keys = jax.random.split(jax.random.key(0), 4)
+  return {
+      "big": jax.random.normal(keys[0], (260, 256)) * 0.01,  # past the small-leaf size
+      "small": jax.random.normal(keys[1], (D_IN,)),
+      "bias": jax.random.normal(keys[2], (1,)),
+      "complex": jax.random.normal(keys[3], (D_IN,)) * (1 + 1j),
+  }
+
+
+def mixed_loss(p, x, y, mask):
+  feats = jnp.tanh(jnp.pad(x, ((0, 0), (0, 256 - D_IN)))[:, None, :] * p["big"][:260:65, :])
+  pred = x @ (p["small"] + jnp.abs(p["complex"])) + p["bias"]
+  pred = pred + jnp.sum(feats, axis=(1, 2))
+  return jnp.sum(mask * (pred - y) ** 2) / jnp.sum(mask)
+
+
+def test_one_steps_estimate_is_the_formula_on_the_small_batches_gradients():
+  x, y, mask = (a[0] for a in make_batches(5, steps=1))
+  params = mixed_params()
+  vg = accum_jax.value_and_grad(mixed_loss, N, weight_fn=lambda x, y, m: jnp.sum(m),
+                                gradient_noise=True, return_info=True)
+  _, _, info = jax.jit(vg)(params, x, y, mask)
+
+  def sq(tree):
+    return sum(float(np.sum(np.abs(np.asarray(g, np.complex128)) ** 2))
+               for g in jax.tree.leaves(tree))
+
+  rows = BATCH // N
+  weights, grads = [], []
+  for i in range(N):
+    part = slice(i * rows, (i + 1) * rows)
+    weights.append(float(np.sum(mask[part])))
+    grads.append(jax.grad(mixed_loss)(params, x[part], y[part], mask[part]))
+  total = sum(weights)
+  mean = jax.tree.map(lambda *g: sum(w * np.asarray(a, np.complex128) for w, a in
+                                     zip(weights, g)) / total, *grads)
+  trace_cov = (sum(w * sq(g) for w, g in zip(weights, grads)) / total - sq(mean)) * total / (N - 1)
+  np.testing.assert_allclose(info.gradient_noise.trace_cov, trace_cov, rtol=1e-5)
+  np.testing.assert_allclose(info.gradient_noise.grad_sq, sq(mean) - trace_cov / total,
+                             rtol=1e-5)
+
+
+def test_the_squared_norm_of_leaves_of_every_kind():
+  rng = np.random.default_rng(6)
+  tree = {
+      "big": rng.standard_normal((300, 256)).astype(np.float32),
+      "small": [rng.standard_normal(s).astype(np.float32) for s in [(3,), (4, 5), ()]],
+      "half": rng.standard_normal(7).astype(jnp.bfloat16),
+      "complex": (rng.standard_normal(5) + 1j * rng.standard_normal(5)).astype(np.complex64),
+      "empty": np.zeros((0, 3), np.float32),
+  }
+  want = sum(float(np.sum(np.abs(np.asarray(x, np.complex128)) ** 2))
+             for x in jax.tree.leaves(tree))
+  got = jax.jit(_noise.squared_norm)(jax.tree.map(jnp.asarray, tree))
+  assert got.dtype == jnp.float32
+  np.testing.assert_allclose(got, want, rtol=1e-6)
+  assert float(_noise.squared_norm({})) == 0.0
+
+
+def test_the_estimate_costs_no_memory_beside_the_step():
+  """No copy of a gradient leaf: the combined gradient's norm is read off the
+  accumulator, and only small leaves are concatenated."""
+  def mlp(p, x, y):
+    h = x
+    for layer in p[:-1]:
+      h = jax.nn.relu(h @ layer["w"] + layer["b"])
+    return jnp.mean((h @ p[-1]["w"] + p[-1]["b"] - y) ** 2)
+
+  rng = np.random.default_rng(7)
+  params = [{"w": rng.standard_normal((256, 256)).astype(np.float32) / 16,
+             "b": np.zeros(256, np.float32)} for _ in range(2)]
+  params.append({"w": rng.standard_normal((256, 1)).astype(np.float32) / 16,
+                 "b": np.zeros(1, np.float32)})
+  x = rng.standard_normal((512, 256)).astype(np.float32)
+  y = rng.standard_normal((512, 1)).astype(np.float32)
+  temp = {}
+  for noise in (False, True):
+    vg = accum_jax.value_and_grad(mlp, 4, gradient_noise=noise, return_info=True)
+    temp[noise] = jax.jit(vg).lower(params, x, y).compile().memory_analysis().temp_size_in_bytes
+  assert temp[True] - temp[False] < 4 * 256, temp  # a few scalars, not a 256 KiB leaf
