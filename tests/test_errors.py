@@ -22,6 +22,7 @@ import numpy as np
 import optax
 import pytest
 from helpers import tree_allclose
+from jax.sharding import PartitionSpec as P
 
 import accum_jax
 
@@ -80,6 +81,13 @@ def _mesh(shape=(8,), axes=("data",)):
 
 def _vg(num_microbatches=2, **options):
   return accum_jax.value_and_grad(_loss, num_microbatches, **options)
+
+
+def _fsdp(dtype=jnp.float32, **options):
+  """A weight of 8 sharded over the data axis of a mesh of 8 (FSDP), a batch of 16."""
+  options.setdefault("mesh", _mesh())
+  options.setdefault("param_sharding", P("data"))
+  return _vg(data_axis="data", **options)(jnp.ones(8, dtype), jnp.ones((16, 8), dtype))
 
 
 def _plan(batch=None, **options):
@@ -263,6 +271,20 @@ TRIGGERS: dict[str, Callable[[], object]] = {
         W, jnp.ones((16, 3))
     ),
     "`aux_reduction='stack'`": lambda: _vg(mesh=_mesh(), aux_reduction="stack"),
+    "`gather` is unknown": lambda: _vg(mesh=_mesh(), gather="twice"),
+    "`gather_dtype` or `reduce_dtype` is not a floating dtype": lambda: _vg(
+        mesh=_mesh(), reduce_dtype=jnp.int8),
+    "`param_sharding`, `gather`, `gather_dtype` or `reduce_dtype` is given without a mesh": (
+        lambda: _vg(gather="once")),
+    "`data_axis` names an axis twice": lambda: _vg(
+        mesh=_mesh((2, 4), ("replica", "fsdp")), data_axis=("fsdp", "fsdp"))(
+            W, jnp.ones((16, 3))),
+    "`param_sharding` does not match the differentiated arguments": lambda: _fsdp(
+        param_sharding={"w": P("data")}),
+    "a parameter dimension is sharded over a data axis and another axis together": lambda: (
+        _fsdp(param_sharding=P(("data", "model")), mesh=_mesh((4, 2), ("data", "model")))),
+    "a narrow `accumulator_dtype` with parameters sharded over a data axis and"
+    " `gather='per_microbatch'`": lambda: _fsdp(jnp.bfloat16, accumulator_dtype=None),
     "the batch does not split over the devices of `data_axis`": lambda: _vg(2, mesh=_mesh())(
         W, jnp.ones((12, 3))
     ),
