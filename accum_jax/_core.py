@@ -32,6 +32,14 @@ costs no extra pass over the gradients; the float32 path adds and does nothing e
 A zero weight adds nothing, even where its gradient is NaN: padding microbatches
 cannot poison the sum.
 
+Inside one step the whole batch's weight ``W = sum w_i`` is known before the loop,
+so :func:`accum_jax.value_and_grad` scales each microbatch's loss by its share
+``w_i / W`` before differentiating, and :func:`add_share` adds what comes out,
+``w_i g_i / W``, as it is: no product per leaf, a sum the size of the mean, and
+each microbatch's gradient already the part of the full batch's gradient that a
+reduce-scatter across devices sums. :func:`share_result` multiplies the total by
+``W / sum_kept w_i`` (:func:`share_factor`; 1 when nothing was skipped).
+
 Each leaf combines in one of four ways (``kinds``, one per leaf; None: all
 ``"mean"``): ``"mean"`` and ``"sum"`` are the weighted sums above, normalised
 differently at the end; ``"max"`` and ``"last"`` are statistics (such as Flax's

@@ -9,6 +9,12 @@
   sums = _scan(...)                               # while_loop: each microbatch's share
          (or _sharding.run(_scan, ...))           # per device, reduced as planned
   return _finalise(sums, ...)                     # normalise, cast, reduce aux
+
+The loop runs up to three passes over the microbatches. The first judges each
+microbatch by its loss alone; a gradient that is NaN under a finite loss shows in
+the sums, and only then does a second pass find which microbatches' gradients are
+not finite, and a third redo the sums without them. A window of finite data costs
+one pass.
 """
 
 from __future__ import annotations
