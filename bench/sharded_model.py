@@ -1,0 +1,252 @@
+"""Per-device memory and communication of one microbatched step, as formulas.
+
+The cost model behind ``docs/multi_device.md``: for each way
+``accum_jax.value_and_grad(..., mesh=...)`` can reduce a gradient, what one device
+holds and sends in one step of ``K`` microbatches. It counts what scales with the
+parameters; activations, the batch and XLA's scratch buffers are outside it.
+
+Symbols (per step, per device):
+
+- ``P``: parameters (elements); ``T``: devices on the tensor axis, so a device
+  works on ``Q = P / T`` of them;
+- ``D``: devices on the data axes (the batch is split over all of them);
+  ``R``: of those, the replicas (HSDP); the parameters are sharded over the
+  other ``F = D / R`` (``F = 1``: data parallel, ``R = 1``: FSDP);
+- ``K``: microbatches;
+- byte widths ``p`` (parameter), ``a`` (accumulator, 4: float32), ``g`` (gather:
+  what ``fun`` sees; ``p`` unless ``gather_dtype``), ``r`` (reduce: what crosses
+  devices; the gradient's, ``g`` for gathered leaves, unless ``reduce_dtype``).
+
+Memory::
+
+  parameters (argument)       Q p / F
+  gathered parameters         Q g          (F > 1; alive for the whole loop: XLA
+                                            hoists the gather out of it)
+  accumulator                 Q a / F      (F > 1, gather="per_microbatch")
+                              Q a          (otherwise: one full-size local sum)
+  gradient in flight          <= Q g       (one microbatch's local gradient before
+                                            it is reduced or added; XLA frees it
+                                            leaf by leaf, so usually one leaf)
+  output (the gradient)       Q p / F
+
+Bytes sent, ring algorithms (all-gather and reduce-scatter (n-1)/n of the full
+size, all-reduce 2(n-1)/n), as ``accum_jax.testing.Collective.bytes_sent`` counts::
+
+  before the loop             (F-1)/F Q g                  all-gather over F
+  per microbatch              (F-1)/F Q r                  reduce-scatter over F
+                                                           (gather="per_microbatch")
+  after the loop              (F-1)/F Q r                  reduce-scatter over F
+                                                           (gather="once")
+                              + 2(R-1)/R (Q/F) r           all-reduce over R
+
+Per step: before + K x per microbatch + after. Data parallel is ``F = 1, R = D``:
+one all-reduce of ``2(D-1)/D Q r``. Scalars (loss, weights, counts, the agreed
+skip flags: a few bytes each) are left out, and so are a tensor axis's
+all-reduces of activations (proportional to the batch, not to ``P``).
+
+With a tensor axis (``T > 1``), the lines above are what the step would move if
+the tensor split survived the collectives over the data axes. It does not, as
+JAX 0.10 compiles them: inside ``shard_map`` (manual over the data axes, the
+tensor axis automatic) the operand of a collective over the data axes is first
+gathered over the tensor axis. So (``Layout.tensor_split_kept=False``, the
+default)::
+
+  before the loop             (D-1)/D P g + (T-1)/T (P/D) g   all-gather over D, over T
+  per microbatch              (D-1)/D P r + (T-1)/T P r       reduce-scatter over D,
+                                                              all-gather over T
+  gradient in flight          <= P g
+
+The loop still carries ``P g / T`` of gathered parameters and ``P a / (D T)`` of
+accumulator: the tensor split is restored after each collective.
+
+Run it for the documentation's projection table::
+
+  python bench/sharded_model.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import NamedTuple
+
+MODES = ("data parallel", "fsdp", "gather once", "hsdp", "fsdp x tensor")
+
+
+class Layout(NamedTuple):
+  """One step's shape: parameters, devices, microbatches and byte widths.
+
+  Attributes:
+    params: ``P``, parameters (elements).
+    data: ``D``, devices on the data axes.
+    replicas: ``R``, of those the replicas (HSDP); the parameters are sharded
+      over ``D / R``. Ignored by "data parallel" (``R = D``) and the FSDP modes
+      (``R = 1``).
+    tensor: ``T``, devices on a tensor axis (parameters split over it too).
+    microbatches: ``K``.
+    param_bytes: ``p``.
+    accumulator_bytes: ``a``.
+    gather_bytes: ``g``; None: ``p``.
+    reduce_bytes: ``r``; None: the gradient's (``g`` for gathered leaves, else ``p``).
+    tensor_split_kept: whether collectives over the data axes keep the tensor
+      split (False: they gather over the tensor axis first, as JAX 0.10 compiles
+      them; see the module docstring).
+  """
+
+  params: int
+  data: int
+  replicas: int = 1
+  tensor: int = 1
+  microbatches: int = 1
+  param_bytes: int = 4
+  accumulator_bytes: int = 4
+  gather_bytes: int | None = None
+  reduce_bytes: int | None = None
+  tensor_split_kept: bool = False
+
+
+class Cost(NamedTuple):
+  """What one device holds and sends in one step (bytes)."""
+
+  param: int  # its shard of the parameters (an argument of the step)
+  gathered: int  # the parameters gathered for fun, alive for the whole loop
+  accumulator: int  # the float32 sums
+  in_flight: int  # at most: one microbatch's local gradient before it is reduced
+  output: int  # the gradient returned, sharded as the parameters
+  sent_before: int  # before the loop (the gather)
+  sent_per_microbatch: int  # in each iteration of the loop
+  sent_after: int  # after the loop
+  microbatches: int
+
+  @property
+  def sent_per_step(self) -> int:
+    return self.sent_before + self.microbatches * self.sent_per_microbatch + self.sent_after
+
+  @property
+  def resident(self) -> int:
+    """Parameters, gathered parameters and accumulator: alive through the loop."""
+    return self.param + self.gathered + self.accumulator
+
+
+def shards(mode: str, layout: Layout) -> tuple[int, int]:
+  """``(F, R)``: the data devices the parameters are sharded over and replicated over."""
+  if mode not in MODES:
+    raise ValueError(f"mode={mode!r} is not one of {MODES}.")
+  d = layout.data
+  if mode == "data parallel":
+    return 1, d
+  if mode == "hsdp":
+    if d % layout.replicas:
+      raise ValueError(f"replicas={layout.replicas} must divide data={d} devices.")
+    return d // layout.replicas, layout.replicas
+  return d, 1
+
+
+def cost(mode: str, layout: Layout) -> Cost:
+  """The per-device :class:`Cost` of one step in ``mode`` (one of :data:`MODES`).
+
+  ``"fsdp x tensor"`` is FSDP with ``layout.tensor`` > 1; ``"fsdp"`` with
+  ``tensor=1`` is the plain case.
+  """
+  f, r = shards(mode, layout)
+  q = layout.params // layout.tensor
+  p, a = layout.param_bytes, layout.accumulator_bytes
+  g = layout.gather_bytes or p
+  sharded = f > 1
+  grad_bytes = g if sharded else p
+  red = layout.reduce_bytes or grad_bytes
+  per_microbatch = sharded and mode != "gather once"
+  t = layout.tensor
+  # What a collective over the data axes sees of a leaf: its tensor shard, or
+  # (the split not kept) the whole of it, gathered over the tensor axis first.
+  seen = q if t == 1 or layout.tensor_split_kept else layout.params
+  gather_first = 0 if seen == q else (t - 1) * seen * g // (t * f)
+  scatter_first = 0 if seen == q else (t - 1) * seen * red // t
+  ring = (f - 1) * seen * red // f if sharded else 0  # one reduce-scatter of the local gradient
+  after = 0 if per_microbatch else ring + (scatter_first if sharded else 0)
+  if r > 1:
+    after += 2 * (r - 1) * (q // f) * red // r
+  return Cost(
+      param=q * p // f,
+      gathered=q * g if sharded else 0,
+      accumulator=q * a // f if per_microbatch else q * a,
+      in_flight=seen * grad_bytes,
+      output=q * p // f,
+      sent_before=(f - 1) * seen * g // f + gather_first if sharded else 0,
+      sent_per_microbatch=ring + scatter_first if per_microbatch else 0,
+      sent_after=after,
+      microbatches=layout.microbatches,
+  )
+
+
+# The projection's assumptions: an H100 SXM's dense bfloat16 peak at a sustained
+# 40%, and the bandwidth one GPU sends at in a ring: NVLink inside a node of 8,
+# one 400 Gb/s InfiniBand port per GPU between nodes. Assumptions, not measurements.
+ASSUMED_FLOPS = 0.4 * 989e12
+ASSUMED_BANDWIDTH = {"NVLink (8 GPUs, one node)": 450e9, "InfiniBand (400 Gb/s per GPU)": 50e9}
+
+
+def hiding_tokens(reduce_bytes: int, data: int, bandwidth: float,
+                  flops: float = ASSUMED_FLOPS) -> float:
+  """Tokens per device per microbatch at which its reduce-scatter takes no longer
+  than its compute (6 FLOPs per parameter per token, forward and backward):
+  ``(D-1)/D Q r / bandwidth <= 6 Q tokens / flops``. ``Q`` cancels."""
+  return (data - 1) / data * reduce_bytes * flops / (6 * bandwidth)
+
+
+def _gib(x: float) -> str:
+  return f"{x / 2**30:,.1f}" if x < 2**40 else f"{x / 2**40:,.1f} Ti"
+
+
+def projection(sizes: tuple[float, ...] = (1e9, 7e9, 70e9),
+               devices: tuple[int, ...] = (8, 64, 256), microbatches: int = 8) -> str:
+  """A markdown table: per device, memory and bytes sent per step, per mode.
+
+  Float32 parameters and accumulator; FSDP modes gather and reduce in bfloat16
+  (``gather_dtype`` and ``reduce_dtype``), data parallel reduces in float32 (its
+  accumulator's dtype, as it does without ``reduce_dtype``). HSDP: 8 devices
+  per replica (one node), the rest replicas; FSDP x tensor: ``T = 8``, the
+  ``D`` devices on the data axis besides.
+  """
+  rows = []
+  for size in sizes:
+    for d in devices:
+      cells = []
+      for mode in MODES:
+        layout = Layout(
+            params=int(size), data=d, microbatches=microbatches,
+            replicas=max(d // 8, 1), tensor=8 if mode == "fsdp x tensor" else 1,
+            gather_bytes=None if mode == "data parallel" else 2,
+            reduce_bytes=None if mode == "data parallel" else 2,
+        )
+        if mode == "hsdp" and d <= 8:
+          cells.append("= fsdp")
+          continue
+        c = cost(mode, layout)
+        cells.append(f"{_gib(c.param + c.gathered)} + {_gib(c.accumulator)} / "
+                     f"{_gib(c.sent_per_step)}")
+      rows.append([f"{size / 1e9:g}B", str(d), *cells])
+  header = ["P", "D", *MODES]
+  lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+  lines += ["| " + " | ".join(row) + " |" for row in rows]
+  return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--microbatches", type=int, default=8)
+  args = parser.parse_args(argv)
+  print(f"Per device: parameters (shard + gathered) + accumulator / sent per step, GiB;"
+        f" K = {args.microbatches}")
+  print(projection(microbatches=args.microbatches))
+  print()
+  for name, bandwidth in ASSUMED_BANDWIDTH.items():
+    for r, dtype in ((2, "bfloat16"), (4, "float32")):
+      print(f"{name}, reduce in {dtype}: a reduce-scatter per microbatch hides behind its"
+            f" compute from {hiding_tokens(r, 64, bandwidth):,.0f} tokens per device per"
+            " microbatch (D = 64)")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
