@@ -399,7 +399,7 @@ def summarise_collectives(found: list[Any], n: int) -> dict[str, Any]:
     counts = collections.Counter(
         (_KINDS[c.kind], "+".join(c.axes or ()), c.result_bytes <= 64) for c in cs)
     return ", ".join(
-        f"{k} {kind}[{axes}]{' (flags)' if small else ''}"
+        f"{k} {kind}[{axes}]{' (scalars)' if small else ''}"
         for (kind, axes, small), k in sorted(counts.items(), key=lambda x: (x[0][2], x[0][0])))
 
   loop = [c for c in found if c.in_loop and not c.in_branch]

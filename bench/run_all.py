@@ -1,8 +1,9 @@
 """Runs every benchmark, each in its own process, and prints a summary.
 
 The benchmarks (``bench_transform.py``, ``bench_microbatch.py``,
-``bench_planner.py``, and ``soak.py`` where it exists) write their JSON, and
-``bench_microbatch.py`` its plot, into ``bench/results/``. This script adds
+``bench_planner.py``, ``bench_sharded.py``, and ``soak.py`` where it exists) write
+their JSON, and ``bench_microbatch.py`` and ``bench_sharded.py`` their plots, into
+``bench/results/``. This script adds
 ``run_all.json``: what ran, how long it took, the end of each one's output, and
 the headline figures. On a
 GPU the summary gives absolute step times and device peak memory; on a CPU
@@ -11,8 +12,8 @@ those.
 
 Run from the repository root::
 
-  python bench/run_all.py            # the full benchmarks, 1.5 to 5 minutes on 2 CPU cores
-  python bench/run_all.py --quick    # every benchmark's smoke run, about a minute
+  python bench/run_all.py            # the full benchmarks, 10 to 20 minutes on 2 CPU cores
+  python bench/run_all.py --quick    # every benchmark's smoke run, about 2 minutes
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ BENCHMARKS: dict[str, tuple[str, list[str], list[str]]] = {
     "transform": ("bench_transform.py", [], ["--quick"]),
     "microbatch": ("bench_microbatch.py", [], ["--quick"]),
     "planner": ("bench_planner.py", [], ["--quick"]),
+    "sharded": ("bench_sharded.py", [], ["--quick"]),
     # The soak has no --quick: 500 micro-steps are what its test runs.
     "soak": ("soak.py", [], ["--steps", "500"]),
 }
@@ -110,6 +112,17 @@ def summary(quick: bool, since: float) -> list[list[str]]:
                    f"{plan['num_microbatches']} (measured"
                    f" {plan['chosen_measured_bytes'] / _MIB:.1f} MiB,"
                    f" {'fits' if plan['chosen_fits'] else 'OVER'})"])
+  if sharded := _load("sharded" + suffix, since):
+    for g in sharded["goals"]:
+      rows.append(["sharded", f"FSDP N={g['num_microbatches']}: temp + output / hand-written"
+                   " scan; accumulator; collectives and MiB per microbatch (ours / scan)",
+                   f"{g['memory_vs_hand_written']:.2f}"
+                   f" ({'met' if g['memory_met'] else 'NOT met'});"
+                   f" {(g['accumulator_bytes'] or 0) / _MIB:.1f} MiB"
+                   f"{' FULL-SIZE' if g['full_size_accumulator'] else ''};"
+                   f" {g['per_microbatch_count'][0]} / {g['per_microbatch_count'][1]},"
+                   f" {g['per_microbatch_bytes'][0] / _MIB:.1f} /"
+                   f" {g['per_microbatch_bytes'][1] / _MIB:.1f}"])
   # The soak writes soak.json whatever its length.
   if soak := _load("soak", since):
     rows.append(["soak", f"{soak.get('steps')} micro-steps: compiles, same windows as the"

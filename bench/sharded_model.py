@@ -195,39 +195,45 @@ def hiding_tokens(reduce_bytes: int, data: int, bandwidth: float,
 
 
 def _gib(x: float) -> str:
-  return f"{x / 2**30:,.1f}" if x < 2**40 else f"{x / 2**40:,.1f} Ti"
+  return f"{x / 2**30:,.1f}"
+
+
+PROJECTED = (*MODES, "fsdp x tensor, split kept")
+
+
+def projected_layout(mode: str, params: float, devices: int, microbatches: int) -> Layout:
+  """The layout of one cell of the projection: ``devices`` in all, float32
+  parameters and accumulator. The FSDP modes gather and reduce in bfloat16
+  (``gather_dtype``, ``reduce_dtype``); data parallel reduces its float32 sums.
+  HSDP: FSDP over 8 devices (a node), replicated over the rest; FSDP x tensor:
+  ``T = 4``, the data axis the other ``devices / 4``."""
+  tensor = 4 if mode.startswith("fsdp x tensor") else 1
+  low = None if mode == "data parallel" else 2
+  return Layout(
+      params=int(params), data=devices // tensor, replicas=max(devices // 8, 1),
+      tensor=tensor, microbatches=microbatches, gather_bytes=low, reduce_bytes=low,
+      tensor_split_kept=mode.endswith("split kept"),
+  )
 
 
 def projection(sizes: tuple[float, ...] = (1e9, 7e9, 70e9),
                devices: tuple[int, ...] = (8, 64, 256), microbatches: int = 8) -> str:
-  """A markdown table: per device, memory and bytes sent per step, per mode.
-
-  Float32 parameters and accumulator; FSDP modes gather and reduce in bfloat16
-  (``gather_dtype`` and ``reduce_dtype``), data parallel reduces in float32 (its
-  accumulator's dtype, as it does without ``reduce_dtype``). HSDP: 8 devices
-  per replica (one node), the rest replicas; FSDP x tensor: ``T = 8``, the
-  ``D`` devices on the data axis besides.
-  """
+  """A markdown table, per device: parameters (shard and gathered) + accumulator,
+  and bytes sent per step, in GiB, per mode (see :func:`projected_layout`)."""
   rows = []
   for size in sizes:
     for d in devices:
       cells = []
-      for mode in MODES:
-        layout = Layout(
-            params=int(size), data=d, microbatches=microbatches,
-            replicas=max(d // 8, 1), tensor=8 if mode == "fsdp x tensor" else 1,
-            gather_bytes=None if mode == "data parallel" else 2,
-            reduce_bytes=None if mode == "data parallel" else 2,
-        )
+      for mode in PROJECTED:
         if mode == "hsdp" and d <= 8:
-          cells.append("= fsdp")
+          cells.append("(= fsdp)")
           continue
-        c = cost(mode, layout)
-        cells.append(f"{_gib(c.param + c.gathered)} + {_gib(c.accumulator)} / "
-                     f"{_gib(c.sent_per_step)}")
+        c = cost(mode.removesuffix(", split kept"), projected_layout(mode, size, d, microbatches))
+        cells.append(f"{_gib(c.param + c.gathered)} + {_gib(c.accumulator)};"
+                     f" {_gib(c.sent_per_step)}")
       rows.append([f"{size / 1e9:g}B", str(d), *cells])
-  header = ["P", "D", *MODES]
-  lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+  header = ["P", "devices", *PROJECTED]
+  lines = ["| " + " | ".join(header) + " |", "|---|---:|" + "---:|" * len(PROJECTED)]
   lines += ["| " + " | ".join(row) + " |" for row in rows]
   return "\n".join(lines)
 
@@ -236,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--microbatches", type=int, default=8)
   args = parser.parse_args(argv)
-  print(f"Per device: parameters (shard + gathered) + accumulator / sent per step, GiB;"
+  print(f"Per device, GiB: parameters (shard + gathered) + accumulator; sent per step."
         f" K = {args.microbatches}")
   print(projection(microbatches=args.microbatches))
   print()

@@ -180,6 +180,14 @@ def test_the_formulas_scale_as_the_documentation_says():
   assert model.hiding_tokens(4, 8, 1e9, flops=6e9) == pytest.approx(7 / 8 * 4)
 
 
+def test_the_documentation_shows_the_model_s_projection_and_thresholds():
+  page = (Path(__file__).resolve().parents[1] / "docs" / "multi_device.md").read_text()
+  assert model.projection() in page
+  for bandwidth in model.ASSUMED_BANDWIDTH.values():
+    for reduce_bytes in (2, 4):
+      assert f"{model.hiding_tokens(reduce_bytes, 64, bandwidth):,.0f} tokens" in page
+
+
 # Defects found while measuring; strict: each flips to a failure once fixed, so that
 # its marker (and the workaround in bench/bench_sharded.py) goes.
 
@@ -224,3 +232,4 @@ def test_collectives_reads_replica_groups_given_with_device_ids():
   assert collectives(bench.explicit_groups(hlo), mesh)[0].axes == ("fsdp",)  # the workaround
   (found,) = collectives(hlo, mesh)
   assert (found.group_size, found.axes) == (4, ("fsdp",))
+
