@@ -45,8 +45,8 @@ as outside.
 
 Run from the repository root::
 
-  python bench/bench_sharded.py            # full run, 3 to 6 minutes on 2 CPU cores
-  python bench/bench_sharded.py --quick    # smoke run: a small model, N in 1 and 4
+  python bench/bench_sharded.py            # full run, about 10 minutes on 2 busy CPU cores
+  python bench/bench_sharded.py --quick    # smoke run: a small model, N in 1 and 4 (~35 s)
 """
 
 from __future__ import annotations
@@ -451,9 +451,8 @@ def measure(method: str, problem: Problem, n: int) -> tuple[dict[str, Any], Call
 
 def model_cost(layout: str, method: str, n: int, width: int, num_layers: int) -> Any:
   """The cost model's figures for a case it describes, else None."""
-  mode = {FSDP: "fsdp", ONCE: "gather once", DP: "data parallel", AUTO: "data parallel"}.get(
-      method)
-  if mode is None or (layout != "fsdp" and method in (DP, AUTO)):
+  mode = {FSDP: "fsdp", ONCE: "gather once", DP: "data parallel"}.get(method)
+  if mode is None or (layout != "fsdp" and method == DP):
     return None
   if layout == "hsdp" and mode == "fsdp":
     mode = "hsdp"
@@ -494,7 +493,7 @@ def _mib(x: float) -> str:
   return f"{x / _MIB:.1f}"
 
 
-def report(records, seconds, samples, config) -> None:
+def report(records, seconds, samples) -> None:
   for layout in LAYOUTS:
     rows = []
     for (lay, method, n), r in records.items():
@@ -621,7 +620,7 @@ def main(argv: list[str] | None = None) -> int:
   print(f"{args.num_layers} x {args.width} x {args.width} float32 weights"
         f" ({param_bytes / _MIB:.0f} MiB), batch {args.batch_size}; 8 CPU devices;"
         f" {args.rounds} interleaved rounds; {config['total_seconds']:.0f} s")
-  report(records, seconds, samples, config)
+  report(records, seconds, samples)
   found = goals(records, args.ns, param_bytes)
   print("\nFSDP against the hand-written scan (goal: memory <= 1.00x, no full-size float32"
         " accumulator, collectives per microbatch no more than its):")
@@ -635,8 +634,7 @@ def main(argv: list[str] | None = None) -> int:
   ))
   path = write_json(name, {
       "config": config,
-      "results": [{**r, "collectives": {k: v for k, v in r["collectives"].items()}}
-                  for r in records.values()],
+      "results": list(records.values()),
       "goals": found,
   })
   png = RESULTS_DIR / f"{name}.png"
