@@ -192,8 +192,6 @@ def test_the_documentation_shows_the_model_s_projection_and_thresholds():
 # its marker (and the workaround in bench/bench_sharded.py) goes.
 
 
-@pytest.mark.xfail(strict=True, reason="param_sharding given as a list for a list of"
-                   " parameters is read as replicated (_sharding._broadcast_prefix)")
 def test_param_sharding_as_a_list_shards_a_list_of_parameters():
   mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
   params = jax.device_put([np.ones((16, 4), np.float32)] * 2, NamedSharding(mesh, P("data")))
