@@ -1,7 +1,7 @@
 """Sharded parameters: per-device memory, collectives and step time against N.
 
-The model: a tanh MLP (``--activation relu`` for ReLU) of ``--num-layers`` weights of ``--width`` x ``--width`` float32
-(4 x 1024 x 1024 by default), MSE, a batch of ``--batch-size`` rows sharded over
+The model: a tanh MLP (``--activation relu`` for ReLU) of ``--num-layers`` weights
+of ``--width`` x ``--width`` float32 (4 x 1024 x 1024 by default), MSE, a batch of ``--batch-size`` rows sharded over
 the data axes, on 8 CPU devices (``--xla_force_host_platform_device_count=8`` is
 set before jax is imported). For each N, side by side in one run:
 
@@ -9,9 +9,12 @@ set before jax is imported). For each N, side by side in one run:
   ``jax.jit``, the batch reshaped so that microbatch ``i`` holds rows ``i, i + N,
   ...`` (a slice of every device's rows), a ``lax.scan`` whose gradient carry is
   zeros constrained (``with_sharding_constraint``) to the parameters' shardings,
-  each microbatch's gradient added to it and the sum constrained again. Its loss
+  each microbatch's gradient added to it and the sum constrained again; XLA's
+  partitioner decides the rest. This is the reference of every ratio;
+- ``hand-written scan, activations constrained``: the same with a loss that
   constrains the activations' rows to the data axes, as a sharding-aware model
-  does; XLA's partitioner decides the rest;
+  does. On the CPU XLA then all-reduces each microbatch's whole gradient and
+  slices it (as it does for the unconstrained scan of a ReLU MLP);
 - ``hand-written shard_map``: the same written with explicit collectives: in
   ``jax.shard_map`` over the data axes, the shards all-gathered, each
   microbatch's gradient reduce-scattered (``psum_scatter``) into a shard;
@@ -23,8 +26,7 @@ set before jax is imported). For each N, side by side in one run:
   the traced function, so the parameters count as replicated (the data-parallel
   path: a full-size accumulator, one all-reduce);
 - ``accum_jax, no mesh, strided``: ``value_and_grad(..., split="strided")``
-  without a mesh, the sharded parameters and batch under ``jax.jit`` (the loss
-  with the activation constraints of the hand-written scan);
+  without a mesh, the sharded parameters and batch under ``jax.jit``;
 - ``accum_jax, replicated parameters``: pure data parallelism.
 
 Layouts: FSDP, ``P("data", None)`` on a mesh of 8, for every N; at one N
@@ -92,14 +94,15 @@ import accum_jax
 from accum_jax.testing import collectives
 
 HAND = "hand-written scan"
+HAND_ACT = "hand-written scan, activations constrained"
 SHARD_MAP = "hand-written shard_map"
 FSDP = "accum_jax"
 ONCE = "accum_jax gather='once'"
 AUTO = "accum_jax, no param_sharding"
 STRIDED = "accum_jax, no mesh, strided"
 DP = "accum_jax, replicated parameters"
-METHODS = (HAND, SHARD_MAP, FSDP, ONCE, AUTO, STRIDED, DP)
-LAYOUT_METHODS = (HAND, SHARD_MAP, FSDP, ONCE)  # for HSDP and FSDP x tensor
+METHODS = (HAND, HAND_ACT, SHARD_MAP, FSDP, ONCE, AUTO, STRIDED, DP)
+LAYOUT_METHODS = (HAND, HAND_ACT, SHARD_MAP, FSDP, ONCE)  # for HSDP and FSDP x tensor
 
 # name -> (mesh shape, mesh axes, data axes)
 LAYOUTS: dict[str, tuple[tuple[int, ...], tuple[str, ...], tuple[str, ...]]] = {
@@ -188,9 +191,15 @@ def make_problem(layout: str, width: int, num_layers: int, batch_size: int) -> P
                  (replicated, placed_batch), jax.device_get(reference))
 
 
-def hand_written_scan(problem: Problem, n: int) -> Callable[..., Any]:
+def hand_written_scan(
+    problem: Problem, n: int, constrain_activations: bool = False
+) -> Callable[..., Any]:
   """A ``lax.scan`` under ``jax.jit`` with the gradient carry constrained to the
-  parameters' shardings: the sharded accumulation MaxText and Levanter write."""
+  parameters' shardings: the sharded accumulation MaxText and Levanter write.
+  ``constrain_activations``: the model also constrains its activations (rows over
+  the data axes), as a sharding-aware model does; XLA then partitions the
+  gradient's reduction differently (a whole-gradient all-reduce on the CPU)."""
+  act = problem.act if constrain_activations else None
   mesh = problem.mesh
   shardings = {k: NamedSharding(mesh, s) for k, s in problem.specs.items()}
   by_microbatch = NamedSharding(mesh, P(None, problem.data_axes))
@@ -205,7 +214,7 @@ def hand_written_scan(problem: Problem, n: int) -> Callable[..., Any]:
 
     def body(carry, microbatch):
       total, grads = carry
-      value, g = jax.value_and_grad(loss_fn)(params, microbatch, problem.act)
+      value, g = jax.value_and_grad(loss_fn)(params, microbatch, act)
       return (total + value, constrain(jax.tree.map(jnp.add, grads, g))), None
 
     zeros = constrain(jax.tree.map(jnp.zeros_like, params))
@@ -266,8 +275,8 @@ def build(method: str, problem: Problem, n: int) -> tuple[Callable[..., Any], tu
   axes = problem.data_axes
   data_axis = axes[0] if len(axes) == 1 else axes
   mesh_options = {"mesh": problem.mesh, "data_axis": data_axis}
-  if method == HAND:
-    return hand_written_scan(problem, n), problem.sharded
+  if method in (HAND, HAND_ACT):
+    return hand_written_scan(problem, n, method == HAND_ACT), problem.sharded
   if method == SHARD_MAP:
     return hand_written_shard_map(problem, n), problem.sharded
   if method in (FSDP, ONCE):
@@ -279,8 +288,7 @@ def build(method: str, problem: Problem, n: int) -> tuple[Callable[..., Any], tu
     return jax.jit(accum_jax.value_and_grad(loss_fn, n, **mesh_options)), problem.sharded
   if method == STRIDED:
     def strided(params, batch):
-      return accum_jax.value_and_grad(
-          lambda p, b: loss_fn(p, b, problem.act), n, split="strided")(params, batch)
+      return accum_jax.value_and_grad(loss_fn, n, split="strided")(params, batch)
     return jax.jit(strided), problem.sharded
   if method == DP:
     return jax.jit(accum_jax.value_and_grad(loss_fn, n, **mesh_options)), problem.replicated
@@ -542,7 +550,8 @@ def plot(config: dict[str, Any], records: dict[tuple[str, str, int], dict[str, A
 
   ns = config["ns"]
   fig, (mem_ax, sent_ax) = plt.subplots(1, 2, figsize=(11, 4.2), dpi=100)
-  styles = {HAND: ("black", "o", "-"), SHARD_MAP: ("gray", "x", ":"),
+  styles = {HAND: ("black", "o", "-"), HAND_ACT: ("dimgray", "o", "--"),
+            SHARD_MAP: ("gray", "x", ":"),
             FSDP: ("tab:green", "^", "-"), ONCE: ("tab:olive", "v", "--"),
             AUTO: ("tab:red", "s", "--"), STRIDED: ("tab:purple", "D", ":"),
             DP: ("tab:blue", "P", "-.")}
