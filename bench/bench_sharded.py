@@ -1,9 +1,10 @@
 """Sharded parameters: per-device memory, collectives and step time against N.
 
 The model: a tanh MLP (``--activation relu`` for ReLU) of ``--num-layers`` weights
-of ``--width`` x ``--width`` float32 (4 x 1024 x 1024 by default), MSE, a batch of ``--batch-size`` rows sharded over
-the data axes, on 8 CPU devices (``--xla_force_host_platform_device_count=8`` is
-set before jax is imported). For each N, side by side in one run:
+of ``--width`` x ``--width`` float32 (4 x 1024 x 1024 by default), MSE, a batch of
+``--batch-size`` rows sharded over the data axes, on 8 CPU devices
+(``--xla_force_host_platform_device_count=8`` is set before jax is imported). For
+each N, side by side in one run:
 
 - ``hand-written scan``: what MaxText and Levanter write by hand: under plain
   ``jax.jit``, the batch reshaped so that microbatch ``i`` holds rows ``i, i + N,
