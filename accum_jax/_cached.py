@@ -37,7 +37,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from accum_jax import _batching, _core, _options, _sharding
-from accum_jax._microbatch import MicrobatchInfo, _fold_in
+from accum_jax._microbatch import MicrobatchInfo, _describe, _fold_in
 
 # Options of value_and_grad that have no meaning here, and what to do instead.
 _REFUSED = {
@@ -210,14 +210,6 @@ def _embed(embed_fn, options, call, args, kwargs, devices) -> Any:
   xs = (jnp.arange(options.num_microbatches, dtype=jnp.int32), batch)
   _, stacked = jax.lax.scan(jax.named_call(body, name="accum_jax_embed"), (), xs)
   return jax.tree.map(lambda x: _batching.unsplit(x, options.split), stacked)
-
-
-def _describe(x: Any) -> str:
-  if isinstance(x, (tuple, list)):
-    return f"a {type(x).__name__} of {len(x)}"
-  if hasattr(x, "shape") and hasattr(x, "dtype"):
-    return f"an array of shape {tuple(x.shape)} and dtype {x.dtype}"
-  return f"a {type(x).__name__}"
 
 
 def _loss_value(out: Any, has_aux: bool) -> tuple[Any, Any]:
