@@ -594,18 +594,14 @@ def _finalise(sums: _sharding.LocalSums, shapes: _Shapes, options, call) -> Any:
 
 
 def _noise_estimate(sums: _sharding.LocalSums, shapes: _Shapes) -> _noise.GradientNoise | None:
-  """From the sums, without a copy of the gradient: the squared norm of the wide
-  totals (read where they lie) times the square of the factor that makes them the
-  mean; narrow totals already hold it."""
+  """From the sums, the combined gradient's norm read off the accumulator."""
   if sums.noise is None:
     return None
   # The noise is that of the microbatches' mean gradients, "sum" leaves included;
   # statistics ("max", "last") are left out.
   totals = jax.tree.leaves(_gradients_only(sums.acc.total[1], shapes))
   factor = _core.share_factor(sums.acc, sums.batch_weight)
-  wide = _noise.squared_norm([t for t in totals if not _core.is_narrow(t.dtype)])
-  narrow = _noise.squared_norm([t for t in totals if _core.is_narrow(t.dtype)])
-  return _noise.estimate(sums.noise, factor * factor * wide + narrow)
+  return _noise.estimate(sums.noise, _noise.mean_squared_norm(totals, factor))
 
 
 def _gradients_only(grads: Any, shapes: _Shapes) -> Any:

@@ -26,6 +26,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from accum_jax import _core
+
 
 class GradientNoise(NamedTuple):
   """Unbiased estimates of ``|G|^2`` and ``tr(Sigma)`` from one step's small batches.
@@ -104,6 +106,15 @@ def squared_norm(tree: Any) -> jax.Array:
     # one sum per leaf.
     parts.append(_sum_sq(jax.lax.optimization_barrier(jnp.concatenate(group))))
   return sum(parts[1:], parts[0]) if parts else jnp.zeros((), jnp.float32)
+
+
+def mean_squared_norm(totals: list[jax.Array], factor: jax.Array) -> jax.Array:
+  """``|mean|^2`` of accumulated gradient leaves, without forming the mean (a copy
+  of the gradient): a wide total is a sum, whose mean is ``factor`` times it; a
+  narrow one (float16, bfloat16) already holds the mean."""
+  wide = squared_norm([t for t in totals if not _core.is_narrow(t.dtype)])
+  narrow = squared_norm([t for t in totals if _core.is_narrow(t.dtype)])
+  return factor * factor * wide + narrow
 
 
 def zero_sums() -> NoiseSums:

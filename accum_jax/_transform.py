@@ -636,15 +636,12 @@ def _init_noise(track_noise: bool, by_noise: NoiseScaleSchedule | None) -> dict[
 
 
 def _window_noise(noise: Any, window: _core.Accumulator, call: _Call) -> Any:
-  """The window's GradientNoise, from its sums and its float32 mean gradient (of
-  the gradient leaves: statistics are left out)."""
-  wide = jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, jnp.promote_types(x.dtype, jnp.float32)),
-      call.grads,
-  )
-  kinds = tuple("mean" if k == "sum" else k for k in call.kinds)
-  mean = _core.result(window, wide, kinds)
-  return _noise.estimate(noise, _noise.squared_norm(_core.gradient_leaves(mean, kinds)))
+  """The window's GradientNoise, from its sums and its mean gradient's norm, read
+  off the accumulator (of the gradient leaves, "sum" ones as means: statistics
+  are left out)."""
+  totals = _core.gradient_leaves(window.total, call.kinds)
+  factor = 1.0 / jnp.where(window.weight > 0, window.weight, 1.0)
+  return _noise.estimate(noise, _noise.mean_squared_norm(totals, factor))
 
 
 def _next_noise(state, window, last_noise, by_noise) -> dict[str, Any]:

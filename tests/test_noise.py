@@ -294,3 +294,16 @@ def test_the_estimate_costs_no_memory_beside_the_step():
     vg = accum_jax.value_and_grad(mlp, 4, gradient_noise=noise, return_info=True)
     temp[noise] = jax.jit(vg).lower(params, x, y).compile().memory_analysis().temp_size_in_bytes
   assert temp[True] - temp[False] < 4 * 256, temp  # a few scalars, not a 256 KiB leaf
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_across_calls_the_estimate_costs_no_memory_beside_the_update(dtype):
+  """The window's mean gradient norm is read off the accumulator: no float32 copy
+  of the mean gradient beside the inner update's."""
+  params = {f"w{i}": jnp.zeros((256, 256), dtype) for i in range(3)}
+  temp = {}
+  for noise in (False, True):
+    opt = accum_jax.accumulate(optax.adam(1e-3), every_k=4, gradient_noise=noise)
+    compiled = jax.jit(opt.update).lower(params, opt.init(params), params).compile()
+    temp[noise] = compiled.memory_analysis().temp_size_in_bytes
+  assert temp[True] - temp[False] < 4 * 256, temp  # a few scalars, not a 256 KiB leaf
