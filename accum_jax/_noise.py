@@ -88,11 +88,14 @@ def _sum_sq(x: jax.Array) -> jax.Array:
 def _small_groups(leaves: list[jax.Array]) -> list[list[jax.Array]]:
   """The small real leaves, by dtype, in groups of at most ``_SMALL_GROUP`` elements."""
   groups: dict[Any, list[list[jax.Array]]] = {}
+  filled: dict[Any, int] = {}  # elements in each dtype's last group
   for x in leaves:
     open_groups = groups.setdefault(x.dtype, [[]])
-    if sum(y.size for y in open_groups[-1]) + x.size > _SMALL_GROUP:
+    if filled.get(x.dtype, 0) + x.size > _SMALL_GROUP:
       open_groups.append([])
+      filled[x.dtype] = 0
     open_groups[-1].append(jnp.ravel(x))
+    filled[x.dtype] = filled.get(x.dtype, 0) + x.size
   return [g for by_dtype in groups.values() for g in by_dtype]
 
 
