@@ -1,0 +1,262 @@
+"""accum_jax.testing.host_syncs on tiny compiled programs.
+
+Each program is compiled on CPU, whose compiler annotates trip counts as XLA:GPU's
+does. Predicates and lengths depend on the data, and loops run at least twice,
+so that XLA cannot simplify the loop or conditional under test away; each test
+also checks that the HLO text still holds it.
+"""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax import lax
+
+import accum_jax
+from accum_jax.testing import (
+  Conditional,
+  HostSyncs,
+  Loop,
+  assert_no_host_syncs_in_loops,
+  host_syncs,
+)
+
+X = jnp.arange(8.0) - 3.0
+
+
+def compiled(f, x=X):
+  return jax.jit(f).lower(x).compile()
+
+
+def count(text, opcode):
+  return text.count(f" {opcode}(")
+
+
+def scan_sum(x):
+  return lax.scan(lambda c, xi: (c + xi, None), 0.0, x)[0]
+
+
+def scan_cond(x):
+  def body(c, xi):
+    return lax.cond(xi > 0, lambda: c + xi, lambda: c * xi), None
+
+  return lax.scan(body, 0.0, x)[0]
+
+
+def test_a_scan_has_a_known_trip_count_and_nothing_in_it():
+  program = compiled(scan_sum)
+  assert count(program.as_text(), "while") == 1
+  syncs = host_syncs(program)
+  assert len(syncs.loops) == 1
+  assert syncs.loops[0]._replace(name="") == Loop("", "jit(scan_sum)/while", 8, 0, False, False)
+  assert syncs.conditionals == ()
+  assert syncs.in_loops == () and syncs.unknown_trip_count == ()
+  assert syncs.per_run == 0
+
+
+def test_a_fori_loop_with_static_bounds_has_a_known_trip_count():
+  program = compiled(lambda x: lax.fori_loop(0, 5, lambda i, c: c + x[i] * c, 1.0))
+  assert count(program.as_text(), "while") == 1
+  syncs = host_syncs(program)
+  assert [loop.trip_count for loop in syncs.loops] == [5]
+  assert syncs.unknown_trip_count == () and syncs.per_run == 0
+
+
+def test_a_while_loop_with_a_data_dependent_condition_has_no_trip_count():
+  def f(x):
+    return lax.while_loop(lambda c: c < 100.0, lambda c: c * 2.0 + x[0], x[1])
+
+  program = compiled(f)
+  assert count(program.as_text(), "while") == 1
+  syncs = host_syncs(program)
+  (loop,) = syncs.loops
+  assert loop.trip_count is None and not loop.in_loop
+  assert syncs.unknown_trip_count == (loop,)
+  assert syncs.in_loops == ()  # at top level: not inside another loop
+  assert syncs.per_run is None
+
+
+def test_a_cond_outside_loops_syncs_once_per_run():
+  program = compiled(lambda x: lax.cond(x[0] > 0, lambda: x * 2.0, lambda: x + 1.0))
+  assert count(program.as_text(), "conditional") == 1
+  syncs = host_syncs(program)
+  assert syncs.loops == ()
+  assert [c._replace(name="") for c in syncs.conditionals] == [
+      Conditional("", "jit(<lambda>)/cond", False, False, 1)
+  ]
+  assert syncs.in_loops == () and syncs.per_run == 1
+
+
+def test_a_cond_in_a_scan_body_syncs_once_per_iteration():
+  program = compiled(scan_cond)
+  text = program.as_text()
+  assert count(text, "while") == 1 and count(text, "conditional") == 1
+  syncs = host_syncs(program)
+  (loop,) = syncs.loops
+  (cond,) = syncs.conditionals
+  assert loop.trip_count == 8 and loop.conditionals == 1
+  assert cond.in_loop and not cond.in_branch and cond.runs == 8
+  assert cond.op_name == "jit(scan_cond)/while/body/closed_call/cond"
+  assert syncs.in_loops == (cond,)
+  assert syncs.per_run == 8
+
+
+def test_a_cond_in_a_while_condition_is_in_the_loop():
+  def f(x):
+    def cond(c):
+      i, s = c
+      return lax.cond(s > 0, lambda: i < 5, lambda: i < 3)
+
+    return lax.while_loop(cond, lambda c: (c[0] + 1, c[1] + x[c[0]]), (0, x[0]))
+
+  program = compiled(f)
+  text = program.as_text()
+  assert count(text, "while") == 1 and count(text, "conditional") == 1
+  syncs = host_syncs(program)
+  (loop,) = syncs.loops
+  (cond,) = syncs.conditionals
+  assert cond.op_name.endswith("/while/cond/cond")  # in the condition, not the body
+  assert cond.in_loop and cond.runs is None
+  assert loop.conditionals == 1 and loop.trip_count is None
+  assert syncs.in_loops == (cond,)
+  assert syncs.per_run is None
+
+
+def test_a_while_loop_of_unknown_trip_count_in_a_scan_is_in_the_loop():
+  def f(x):
+    def body(c, xi):
+      return lax.while_loop(lambda c: c < xi, lambda c: c * 2.0 + 1.0, c), None
+
+    return lax.scan(body, 0.1, x)[0]
+
+  program = compiled(f)
+  assert count(program.as_text(), "while") == 2
+  syncs = host_syncs(program)
+  outer = next(loop for loop in syncs.loops if loop.trip_count is not None)
+  inner = next(loop for loop in syncs.loops if loop.trip_count is None)
+  assert outer.trip_count == 8 and not outer.in_loop
+  assert inner.in_loop and inner.op_name.endswith("/while/body/closed_call/while")
+  assert syncs.in_loops == (inner,)
+  assert syncs.unknown_trip_count == (inner,)
+  assert syncs.per_run is None
+
+
+def test_a_cond_in_a_cond_branch_is_in_a_branch():
+  def f(x):
+    inner = lambda: lax.cond(x[1] > 0, lambda: x * 2.0, lambda: x * 3.0)  # noqa: E731
+    return lax.cond(x[0] > 0, inner, lambda: x + 1.0)
+
+  program = compiled(f)
+  assert count(program.as_text(), "conditional") == 2
+  syncs = host_syncs(program)
+  by_branch = {c.in_branch: c for c in syncs.conditionals}
+  assert set(by_branch) == {False, True}
+  assert by_branch[True].op_name.endswith("/cond/branch_1_fun/cond")
+  assert not any(c.in_loop for c in syncs.conditionals)
+  assert syncs.per_run == 2  # at most: the inner one runs only when its branch is taken
+  assert "at most once a run" in str(syncs)
+
+
+def test_nested_known_loops_multiply_their_trip_counts():
+  def f(x):
+    def inner(c, xi):
+      return lax.cond(xi > c, lambda: c + xi, lambda: c - xi), None
+
+    def outer(c, row):
+      return lax.scan(inner, c, row)[0], None
+
+    return lax.scan(outer, 0.0, x.reshape(4, 2))[0]
+
+  program = compiled(f)
+  text = program.as_text()
+  assert count(text, "while") == 2 and count(text, "conditional") == 1
+  syncs = host_syncs(program)
+  assert sorted(loop.trip_count for loop in syncs.loops) == [2, 4]
+  assert sorted(loop.in_loop for loop in syncs.loops) == [False, True]
+  assert [loop.conditionals for loop in syncs.loops] == [1, 1]
+  assert syncs.per_run == 8
+
+
+# Written by hand: a conditional on a pred, printed with true_computation= and
+# false_computation=, and a conditional in the condition of a counted loop.
+HAND_WRITTEN = """HloModule m
+
+%t (p: s32[]) -> s32[] {
+  ROOT %p = s32[] parameter(0)
+}
+
+%f (q: s32[]) -> s32[] {
+  %q = s32[] parameter(0)
+  %k = pred[] compare(%q, %q), direction=EQ
+  %in = s32[] conditional(%k, %q, %q), true_computation=%t, false_computation=%t
+  ROOT %n = s32[] negate(%in)
+}
+
+%b (x: s32[]) -> s32[] {
+  %x = s32[] parameter(0)
+  %k.1 = pred[] compare(%x, %x), direction=EQ
+  ROOT %out = s32[] conditional(%k.1, %x, %x), true_computation=%t, false_computation=%f
+}
+
+%c (y: s32[]) -> pred[] {
+  %y = s32[] parameter(0)
+  %k.2 = pred[] compare(%y, %y), direction=EQ
+  %z = s32[] conditional(%k.2, %y, %y), true_computation=%t, false_computation=%t
+  ROOT %lt = pred[] compare(%z, %y), direction=LT
+}
+
+ENTRY %main (a: pred[], s: s32[]) -> s32[] {
+  %a = pred[] parameter(0)
+  %s = s32[] parameter(1)
+  %w = s32[] while(%s), condition=%c, body=%b, backend_config={"known_trip_count":{"n":"3"}}
+  ROOT %top = s32[] conditional(%a, %w, %w), true_computation=%t, false_computation=%t
+}
+"""
+
+
+def test_true_and_false_computations_are_followed_as_branches():
+  syncs = host_syncs(HAND_WRITTEN)
+  assert syncs == HostSyncs((Loop("w", "", 3, 3, False, False),), (
+      Conditional("in", "", True, True, 3),  # in the false branch of the loop body's
+      Conditional("out", "", True, False, 3),
+      Conditional("z", "", True, False, 0),  # XLA:GPU skips a counted loop's condition
+      Conditional("top", "", False, False, 1),
+  ))
+  assert syncs.per_run == 7
+
+
+def test_assert_no_host_syncs_in_loops():
+  assert_no_host_syncs_in_loops(compiled(scan_sum))
+  with pytest.raises(AssertionError, match=r"jit\(scan_cond\)/while/body/closed_call/cond"):
+    assert_no_host_syncs_in_loops(compiled(scan_cond))
+
+
+def test_assert_no_host_syncs_in_loops_names_a_loop_of_unknown_trip_count():
+  def f(x):
+    return lax.while_loop(lambda c: c < 100.0, lambda c: c * 2.0 + x[0], x[1])
+
+  with pytest.raises(AssertionError, match=r"jit\(f\)/while\).*trip count"):
+    assert_no_host_syncs_in_loops(compiled(f))
+
+
+def test_a_program_that_is_not_compiled_is_refused():
+  lowered = jax.jit(scan_sum).lower(X)
+  with pytest.raises(TypeError, match=r"call \.compile\(\) on the Lowered"):
+    host_syncs(lowered)
+  with pytest.raises(TypeError, match=r"\.lower\(\*args\)\.compile\(\)"):
+    host_syncs(jax.jit(scan_sum))
+  with pytest.raises(TypeError, match="int"):
+    host_syncs(3)
+
+
+def test_value_and_grad_waits_for_the_host_once_per_step_and_never_in_its_loops():
+  def loss(params, batch):
+    x, y = batch
+    return jnp.mean((x @ params["w"] - y) ** 2)
+
+  step = accum_jax.value_and_grad(loss, num_microbatches=4)
+  batch = (jnp.ones((16, 4)), jnp.ones((16, 1)))
+  program = jax.jit(step).lower({"w": jnp.ones((4, 1))}, batch).compile()
+  assert_no_host_syncs_in_loops(program)
+  syncs = host_syncs(program)
+  assert [loop.trip_count for loop in syncs.loops if not loop.in_branch] == [4]
+  assert syncs.per_run == 1  # the non-finite recheck's one conditional, after the loop
