@@ -6,15 +6,15 @@
   call = _options.bind(options, args)             # per call: batch, sizes, mesh
   shapes = _trace_one(...)                        # one microbatch, abstractly
   plan = _sharding.plan(...)                      # under a mesh: per leaf, where it is reduced
-  sums = _scan(...)                               # while_loop: each microbatch's share
-         (or _sharding.run(_scan, ...))           # per device, reduced as planned
+  sums = _local_sums(...)                         # scan: each microbatch's share
+         (or _sharding.run(_local_sums, ...))     # per device, reduced as planned
   return _finalise(sums, ...)                     # normalise, cast, reduce aux
 
-The loop runs up to three passes over the microbatches. The first judges each
-microbatch by its loss alone; a gradient that is NaN under a finite loss shows in
-the sums, and only then does a second pass find which microbatches' gradients are
-not finite, and a third redo the sums without them. A window of finite data costs
-one pass.
+The loop is a ``lax.scan``: XLA knows its trip count, and nothing inside it makes
+a GPU wait on the host. It judges each microbatch by its loss alone; a gradient
+that is NaN under a finite loss shows in the sums, and only then, under one
+conditional after the loop, does a recheck find which microbatches' gradients are
+not finite and redo the sums without them. Finite data costs one pass.
 """
 
 from __future__ import annotations
@@ -310,15 +310,10 @@ def _batch_weight(weights, options, plan) -> jax.Array:
   return jnp.where(total > 0, total, 1.0)
 
 
-def _scan(grad_fun, options, call, shapes, plan, args, shard_index, *, kwargs):
-  """Loops over this device's microbatches; returns the un-normalised sums.
+def _local_sums(grad_fun, options, call, shapes, plan, args, shard_index, *, kwargs):
+  """This device's microbatches, looped over; returns the un-normalised sums.
 
-  With ``skip_nonfinite``, each microbatch is judged by its loss alone (a
-  scalar), not by a pass over every gradient leaf: on a model of many small
-  leaves those passes cost more than the arithmetic. A gradient can hold NaN or
-  Inf where its loss does not; then the sums are not finite, and only then does
-  the loop go on for N more iterations that redo the microbatches judging every
-  gradient (see :func:`_loop`).
+  See :func:`_passes` for the loop and what it does about non-finite data.
   """
   split = functools.partial(
       _batching.split, num_microbatches=options.num_microbatches, how=options.split
@@ -330,7 +325,8 @@ def _scan(grad_fun, options, call, shapes, plan, args, shard_index, *, kwargs):
   dev = _Device(grad_fun, options, call, shapes, plan, args, kwargs, shard_index,
                 _batch_weight(weights, options, plan), gathered)
   start = _initial_carry(dev, params if gathered is None else gathered)
-  (acc, aux_sums, state, noise), stacked = _loop(dev, start, batch, weights)
+  xs = (jnp.arange(options.num_microbatches), batch, weights)
+  (acc, aux_sums, state, noise), stacked = _passes(dev, start, xs)
   per_example = [
       _batching.unsplit(x, options.split) if r == "concat" else x
       for x, r in zip(stacked, shapes.reductions)
@@ -357,24 +353,6 @@ def _initial_carry(dev: _Device, params: Any) -> tuple[Any, ...]:
   return acc, aux_sums, state, noise
 
 
-def _restarted(carry: tuple[Any, ...], dev: _Device, restart: jax.Array) -> tuple[Any, ...]:
-  """The carry emptied where ``restart`` (the state back to the one passed in).
-
-  Selects against scalar zeros: XLA fuses them into the additions that follow,
-  so a restart costs no pass and no buffer.
-  """
-  acc, aux_sums, state, noise = carry
-
-  def zero(x):
-    return None if x is None else jnp.where(restart, jnp.zeros((), x.dtype), x)
-
-  acc = jax.tree.map(zero, acc)
-  if dev.options.state_argnums:
-    first = dev.args[dev.options.state_argnums[0]]
-    state = jax.tree.map(lambda s, s0: jnp.where(restart, s0, s), state, first)
-  return acc, [zero(x) for x in aux_sums], state, jax.tree.map(zero, noise)
-
-
 def _by_loss(options, out: _Out, weight, known_bad) -> jax.Array:
   """Whether a microbatch is acceptable by its loss (and what an earlier pass
   found), before any pass over its gradient: known early, so that it can zero
@@ -384,20 +362,6 @@ def _by_loss(options, out: _Out, weight, known_bad) -> jax.Array:
   # A zero weight counts for nothing, even with a NaN loss.
   zero = False if weight is None else weight == 0
   return (jnp.isfinite(out.raw_value) | zero) & ~known_bad
-
-
-def _finite(tree: Any, identify: jax.Array) -> jax.Array:
-  """On the identifying pass, whether every leaf of ``tree`` is finite.
-
-  One conditional per leaf, each reading its own leaf: the leaves need not all
-  be alive at once (a check of the whole tree would hold every gradient leaf
-  until the last is computed), and the other passes skip the reductions.
-  """
-  def leaf(x):
-    return jax.lax.cond(identify, _core.leaf_finite, lambda x: jnp.array(True), x)
-
-  flags = [leaf(x) for x in jax.tree.leaves(tree)]
-  return jnp.all(jnp.stack(flags)) if flags else jnp.array(True)
 
 
 def _agreed(dev: _Device, *flags: jax.Array) -> tuple[jax.Array, ...]:
@@ -410,19 +374,17 @@ def _agreed(dev: _Device, *flags: jax.Array) -> tuple[jax.Array, ...]:
   return tuple(agreed)
 
 
-def _step(dev: _Device, carry, xs, *, identify, restart):
+def _step(dev: _Device, carry, xs, *, judge: bool):
   """One microbatch into the sums: its loss scaled by its share of the batch,
   reduced across devices where the plan says so, added where it is kept.
 
-  Also returns whether its gradient is finite (on the identifying pass only).
+  Also returns whether its gradient is finite, when ``judge`` (else True).
   """
-  if restart is not None:
-    carry = _restarted(carry, dev, restart)
   acc, aux_sums, state, noise = carry
   index, mb, weight, known_bad = xs
   share = (1.0 if weight is None else weight) / dev.batch_weight
   out = _one_microbatch(dev, index, mb, state, share, _params_seen(dev))
-  grads, admission, finite = _judged(dev, out, acc, weight, known_bad, identify)
+  grads, admission, finite = _judged(dev, out, acc, weight, known_bad, judge)
   kept = admission.keep
   if dev.options.gradient_noise:  # without weight_fn, a microbatch weighs its rows
     size = dev.call.rows if weight is None else weight
@@ -432,7 +394,10 @@ def _step(dev: _Device, carry, xs, *, identify, restart):
   acc = _core.add_share(acc, (value, grads), admission, dev.batch_weight, dev.shapes.kinds)
   aux_sums, per_example = _aux_added(dev, aux_sums, out.aux, weight, kept, first)
   if dev.options.state_argnums:
-    state = jax.tree.map(lambda new, old: jnp.where(kept, new, old), out.state, state)
+    # The state goes on as the final pass will have it: without the microbatches
+    # whose gradient is not finite (a select of a small state, which holds no
+    # gradient back).
+    state = jax.tree.map(lambda new, old: jnp.where(kept & finite, new, old), out.state, state)
   return (acc, aux_sums, state, noise), per_example, finite
 
 
@@ -443,24 +408,27 @@ def _params_seen(dev: _Device) -> Any:
   return _sharding.gather(dev.plan, diff_args(dev.options, dev.args))
 
 
-def _judged(dev: _Device, out: _Out, acc, weight, known_bad, identify):
+def _judged(dev: _Device, out: _Out, acc, weight, known_bad, judge: bool):
   """A microbatch's gradient reduced as the plan says, and what is decided about it.
 
   Returns the gradient (reduce-scattered where the plan says so, zero where it is
-  not kept), its :class:`_core.Admission`, and whether it is finite (on the
-  identifying pass only).
+  not kept), its :class:`_core.Admission`, and, when ``judge``, whether the
+  gradient is finite (else True). The admission reads the loss and ``known_bad``
+  alone, both known before the gradient: so the gradient's leaves are added as
+  they come, and none waits for a check of the others.
   """
   options = dev.options
   grads = out.grads
   if weight is not None:
     # A zero (or bad) weight adds nothing, not even to other devices' shards,
     # whatever its gradient holds: padding never costs other rows. A select
-    # before the reduction, on this device.
+    # before the reduction, on this device. Its gradient, zeros, is then finite:
+    # padding is never judged.
     counts = jnp.isfinite(weight) & (weight > 0)
     grads = _sharding.map_scattered(dev.plan, grads, lambda g: _core.masked(g, counts))
   grads = _sharding.scatter(dev.plan, grads, acc.total[1])
   loss_ok = _by_loss(options, out, weight, known_bad)
-  finite = _finite((out.value, grads), identify) if options.skip_nonfinite else jnp.array(True)
+  finite = _core.all_finite(grads) if judge else jnp.array(True)
   loss_ok, finite = _agreed(dev, loss_ok, finite)
   admission = _core.admit(None, weight, skip_nonfinite=False, accept=loss_ok)
   # Selects, which XLA fuses into the additions: a shard reduced per microbatch
@@ -494,53 +462,66 @@ def _sums_not_finite(dev: _Device, acc: _core.Accumulator) -> jax.Array:
   return bad
 
 
-def _loop(dev: _Device, start, batch, weights):
-  """The microbatches in one ``while_loop``; twice more where the sums are not finite.
+def _pass(dev: _Device, start, xs, known_bad: jax.Array, *, judge: bool):
+  """One pass over the microbatches from ``start``, leaving out ``known_bad``: a
+  ``lax.scan``, whose trip count XLA knows, with no conditional inside.
 
-  Pass 0 (iterations ``0..N-1``) judges each microbatch by its loss alone. With
-  ``skip_nonfinite``, if the sums are then not finite (a gradient that is NaN or
-  Inf under a finite loss), pass 1 finds which microbatches' gradients are not
-  finite, on each device, and pass 2 starts from empty sums and adds the others.
-  One loop body: the program, its collectives and its buffers are those of one
-  pass, and the passes that rarely run cost nothing when they do not.
+  Returns the sums, the per-example (or per-microbatch) aux leaves stacked by
+  microbatch, and, when ``judge``, whether each microbatch's gradient is finite.
+  """
+  step = jax.named_call(functools.partial(_step, dev, judge=judge), name="accum_jax_microbatch")
+
+  def body(carry, x):
+    carry, per_example, finite = step(carry, x)
+    return carry, (per_example, finite)
+
+  carry, (stacked, finite) = jax.lax.scan(body, start, (*xs, known_bad))
+  return carry, stacked, finite
+
+
+def _emptied(carry, dev: _Device):
+  """``carry`` with its sums at zero and the state passed in: the start of a pass,
+  made from the last pass's buffers (selects against scalar zeros, which XLA
+  writes in place), not from new ones beside them."""
+  acc, aux_sums, state, noise = carry
+
+  def zero(x):
+    return None if x is None else jnp.zeros_like(x)
+
+  if dev.options.state_argnums:
+    state = dev.args[dev.options.state_argnums[0]]
+  return jax.tree.map(zero, acc), [zero(x) for x in aux_sums], state, jax.tree.map(zero, noise)
+
+
+def _passes(dev: _Device, start, xs):
+  """The microbatches in one pass; two more only where its sums are not finite.
+
+  The first pass judges each microbatch by its loss alone: a scalar, known
+  before the gradient, so no leaf of the gradient waits for the others and
+  nothing in the loop makes a GPU wait on the host. A gradient that is NaN or
+  Inf under a finite loss shows in the sums. Only then, under one conditional
+  after the loop, does the recheck run: a pass that finds which microbatches'
+  gradients are not finite, and one that adds the others. The two are one
+  loop of known trip count (2) around one pass, so the recheck compiles one
+  more loop body, not two.
   """
   n = dev.options.num_microbatches
-  rerun = dev.options.skip_nonfinite
-  step = jax.named_call(functools.partial(_step, dev), name="accum_jax_microbatch")
+  none_bad = jnp.zeros((n,), bool)
+  carry, stacked, _ = _pass(dev, start, xs, none_bad, judge=False)
+  if not dev.options.skip_nonfinite:
+    return carry, stacked
 
-  def body(loop):
-    i, carry, stacked, bad = loop
-    j = i % n
-    mb = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, j, keepdims=False), batch)
-    weight = None if weights is None else weights[j]
-    identify = (i >= n) & (i < 2 * n)
-    carry, per_example, finite = step(
-        carry, (j, mb, weight, bad[j]), identify=identify,
-        restart=(i == 2 * n) if rerun else None,
-    )
-    bad = bad.at[j].set(jnp.where(identify, ~finite, bad[j]))
-    stacked = [
-        s if s is None else jax.lax.dynamic_update_index_in_dim(s, x, j, 0)
-        for s, x in zip(stacked, per_example)
-    ]
-    return i + 1, carry, stacked, bad
+  def recheck(found):
+    def again(_, loop):
+      bad, (carry, _) = loop
+      carry, stacked, finite = _pass(dev, _emptied(carry, dev), xs, bad, judge=True)
+      return bad | ~finite, (carry, stacked)
 
-  def cond(loop):
-    i, carry, _, _ = loop
-    if not rerun:
-      return i < n
-    again = jax.lax.cond(
-        i == n, lambda acc: _sums_not_finite(dev, acc), lambda acc: jnp.array(False), carry[0]
-    )
-    return (i < n) | again | ((i > n) & (i < 3 * n))
+    return jax.lax.fori_loop(0, 2, again, (none_bad, found))[1]
 
-  stacked = [
-      jnp.zeros((n, *x.shape), x.dtype) if r in ("concat", "stack") else None
-      for x, r in zip(jax.tree.leaves(dev.shapes.aux), dev.shapes.reductions)
-  ]
-  loop = (jnp.int32(0), start, stacked, jnp.zeros((n,), bool))
-  _, carry, stacked, _ = jax.lax.while_loop(cond, body, loop)
-  return carry, stacked
+  return jax.lax.cond(
+      _sums_not_finite(dev, carry[0]), recheck, lambda found: found, (carry, stacked)
+  )
 
 
 def _drop_padding(x: jax.Array, call: _options.Call) -> jax.Array:
@@ -756,7 +737,7 @@ def value_and_grad(
       )
       _options.check_plan(options, plan, params, grad_kinds)
     shapes = _trace_one(grad_fun, options, call, plan, args, kwargs, grad_kinds)
-    scan = functools.partial(_scan, grad_fun, options, call, shapes, plan, kwargs=kwargs)
+    scan = functools.partial(_local_sums, grad_fun, options, call, shapes, plan, kwargs=kwargs)
     if plan is None:
       sums = scan(args, None)
     else:

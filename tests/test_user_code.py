@@ -312,6 +312,37 @@ def test_a_nan_gradient_under_a_finite_loss_is_skipped_and_counted():
   tree_allclose((value, grads), (expected_value, expected_grads))
 
 
+def masked_padded_loss(w, batch):
+  rows = jnp.where(jnp.isfinite(batch["x"]), w * batch["x"], 0.0).sum(-1) + batch["poison"]
+  return jnp.sum(rows * batch["mask"]) / jnp.maximum(batch["mask"].sum(), 1.0)
+
+
+@pytest.mark.parametrize("skip_nonfinite_first", [False, True], ids=["rechecked", "by loss"])
+def test_padding_whose_loss_is_nan_is_never_counted_even_in_a_rechecked_step(
+    skip_nonfinite_first,
+):
+  # 4 microbatches of 4 rows: microbatch 1 has a NaN gradient under a finite loss
+  # (or, "by loss", a NaN loss), which makes the step recheck its gradients;
+  # microbatch 3 is padding (weight 0) whose loss is NaN: it counts for nothing.
+  x = normal(3, (BATCH, 2))
+  poison = np.zeros(BATCH, np.float32)
+  if skip_nonfinite_first:
+    poison[5] = np.nan
+  else:
+    x[5, 1] = np.inf
+  mask = np.ones(BATCH, np.float32)
+  mask[12:] = 0
+  poison[12:] = np.nan
+  batch = {"x": x, "poison": poison, "mask": mask}
+  w = np.ones((2,), np.float32)
+  vg = jax.jit(accum_jax.value_and_grad(
+      masked_padded_loss, 4, weight_fn=lambda b: b["mask"].sum(), return_info=True))
+  value, grads, info = vg(w, batch)
+  assert int(info.num_skipped) == 1 and float(info.total_weight) == 8
+  kept = jax.tree.map(lambda a: np.concatenate([a[:4], a[8:12]]), batch)
+  tree_allclose((value, grads), jax.value_and_grad(masked_padded_loss)(w, kept))
+
+
 def test_a_float16_accumulator_under_a_mesh_equals_the_float32_one():
   # Gradients of ~2000 in float16: eight devices' sums of them would overflow
   # float16, and their running means must be weighed, not added.
