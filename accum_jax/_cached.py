@@ -394,16 +394,12 @@ def _data_parallel(step, args, *, batch_argnums, argnums, plan: _sharding.Plan, 
   )(dynamic)
 
 
-def _plan(options: _options.Options, call: _options.Call, args: tuple[Any, ...]) -> _sharding.Plan:
-  """The reduction plan of the differentiated arguments (always a tuple here)."""
-  diff = tuple(args[n] for n in options.argnums)
-  given = options.param_sharding
-  if options.single_argnum and given is not None:
-    given = (given,)
-  plan = _sharding.plan(call.mesh, call.data_axes, diff, param_sharding=given,
-                        gather=options.gather)
-  _options.check_plan(options, plan, diff)
-  return plan
+def _plan(options: _options.Options, call: _options.Call) -> _sharding.Plan:
+  """The call's reduction plan over the differentiated arguments as a tuple, as
+  this door always holds them."""
+  if not options.single_argnum:
+    return call.plan
+  return call.plan._replace(treedef=jax.tree_util.treedef_tuple([call.plan.treedef]))
 
 
 def cached_value_and_grad(
@@ -536,7 +532,7 @@ def cached_value_and_grad(
     step = functools.partial(_step, embed_fn, loss_fn, options, call, kwargs)
     if call.mesh is None:
       return step(args, _ONE_DEVICE)
-    plan = _plan(options, call, args)
+    plan = _plan(options, call)
     grad_specs = _sharding.grad_specs(plan)
     out_specs = (P(), grad_specs[0] if options.single_argnum else grad_specs)
     return _data_parallel(

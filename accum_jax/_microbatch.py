@@ -3,9 +3,9 @@
 :func:`value_and_grad` is a short composition of the steps below::
 
   options = _options.make(...)                    # once, when it is built
-  call = _options.bind(options, args)             # per call: batch, sizes, mesh
-  shapes = _trace_one(...)                        # one microbatch, abstractly
-  plan = _sharding.plan(...)                      # under a mesh: per leaf, where it is reduced
+  call = _options.bind(options, args)             # per call: batch, sizes, gradient kinds,
+                                                  # the reduction plan under a mesh; checked
+  shapes = _trace_one(...)                        # one microbatch, abstractly; checked
   sums = _local_sums(...)                         # scan: each microbatch's share
          (or _sharding.run(_local_sums, ...))     # per device, reduced as planned
   return _finalise(sums, ...)                     # normalise, cast, reduce aux
@@ -183,11 +183,7 @@ class _Device(NamedTuple):
   gathered: Any  # the parameters gathered before the loop (gather="once"), or None
 
 
-def diff_args(options: _options.Options, args: Sequence[Any]) -> Any:
-  """The differentiated arguments, structured as their gradient is."""
-  if options.single_argnum:
-    return args[options.argnums[0]]
-  return tuple(args[n] for n in options.argnums)
+diff_args = _options.diff_args  # the planner and the parity checker read it here
 
 
 def _one_microbatch(dev: _Device, index, mb, state, share, params) -> _Out:
@@ -207,31 +203,12 @@ def _one_microbatch(dev: _Device, index, mb, state, share, params) -> _Out:
   return _Out(value, raw_value, grads, new_state, aux)
 
 
-def _aux_reductions(aux: Any, spec: Any, rows: int) -> tuple[str, ...]:
-  """How each aux leaf is reduced (``spec``: ``aux_reduction``, maybe per leaf). By
-  default a leaf with a leading axis of the microbatch's rows is per-example
-  (concatenated); any other is averaged."""
-  reductions = []
-  given = _options.per_leaf_spec(spec, aux, "aux_reduction", "the aux")
-  for (path, leaf), (requested, _) in zip(jax.tree.leaves_with_path(aux), given):
-    per_example = len(leaf.shape) >= 1 and leaf.shape[0] == rows
-    if requested == "concat" and not per_example:
-      raise ValueError(
-          f"aux_reduction='concat' returns per-example outputs in batch order, but aux"
-          f" leaf {jax.tree_util.keystr(path) or '(the aux)'} has shape {leaf.shape}, with"
-          f" no leading axis of the microbatch's {rows} rows. Return one row per example,"
-          " or reduce it with aux_reduction='mean' or 'sum'."
-      )
-    reductions.append(requested or ("concat" if per_example else "mean"))
-  return tuple(reductions)
-
-
 def _abstract(x: Any, dtype: Any = None) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x) if dtype is None else dtype)
 
 
-def _trace_one(grad_fun, options, call, plan, args, kwargs, grad_kinds) -> _Shapes:
-  """The abstract outputs of one microbatch (a trace, no compile)."""
+def _trace_one(grad_fun, options, call, args, kwargs) -> _Shapes:
+  """The abstract outputs of one microbatch (a trace, no compile), checked."""
   # JAX's own dtypes: a float64 numpy batch is float32 once traced (unless x64
   # is on), and asking for float64 here would warn on every trace.
   canonical = jax.dtypes.canonicalize_dtype
@@ -243,6 +220,7 @@ def _trace_one(grad_fun, options, call, plan, args, kwargs, grad_kinds) -> _Shap
   }
   state = args[options.state_argnums[0]] if options.state_argnums else None
   params = diff_args(options, args)
+  plan, grad_kinds = call.plan, call.grad_kinds
   # The parameters as fun sees them: full-size, in the dtype they are gathered in.
   seen = params if plan is None else jax.tree.map(
       lambda x, leaf: _abstract(x, plan.gather_dtype if leaf.gathers else None),
@@ -252,9 +230,8 @@ def _trace_one(grad_fun, options, call, plan, args, kwargs, grad_kinds) -> _Shap
   traced = jax.jit(
       lambda i, mb, state, p: _one_microbatch(dev, i, mb, state, jnp.float32(1.0), p),
   ).trace(0, mb, state, seen)
-  _options.check_float16(options, traced.jaxpr)
   out = traced.out_info
-  reductions = _aux_reductions(out.aux, options.aux_reduction, call.rows)
+  reductions = _options.check_microbatch(options, traced.jaxpr, out.aux, call.rows)
   if all(kind == "mean" for kind in grad_kinds):
     grad_kinds = None  # the default path, as if per-leaf kinds did not exist
   # Gradients come back in the parameters' own shapes and dtypes.
@@ -310,11 +287,12 @@ def _batch_weight(weights, options, plan) -> jax.Array:
   return jnp.where(total > 0, total, 1.0)
 
 
-def _local_sums(grad_fun, options, call, shapes, plan, args, shard_index, *, kwargs):
+def _local_sums(grad_fun, options, call, shapes, args, shard_index, *, kwargs):
   """This device's microbatches, looped over; returns the un-normalised sums.
 
   See :func:`_passes` for the loop and what it does about non-finite data.
   """
+  plan = call.plan
   split = functools.partial(
       _batching.split, num_microbatches=options.num_microbatches, how=options.split
   )
@@ -480,9 +458,7 @@ def _pass(dev: _Device, start, xs, known_bad: jax.Array, *, judge: bool):
 
 
 def _emptied(carry, dev: _Device):
-  """``carry`` with its sums at zero and the state passed in: the start of a pass,
-  made from the last pass's buffers (selects against scalar zeros, which XLA
-  writes in place), not from new ones beside them."""
+  """``carry`` with its sums at zero and the state passed in: the start of a pass."""
   acc, aux_sums, state, noise = carry
 
   def zero(x):
@@ -726,24 +702,14 @@ def value_and_grad(
           _batching.pad(arg, call.padding) if n in call.batch_argnums else arg
           for n, arg in enumerate(args)
       )
-    params = diff_args(options, args)
-    grad_kinds = _options.grad_reductions(options.grad_reduction, params)
-    plan = None
-    if call.mesh is not None:
-      plan = _sharding.plan(
-          call.mesh, call.data_axes, params,
-          param_sharding=options.param_sharding, gather=options.gather,
-          gather_dtype=options.gather_dtype, reduce_dtype=options.reduce_dtype,
-      )
-      _options.check_plan(options, plan, params, grad_kinds)
-    shapes = _trace_one(grad_fun, options, call, plan, args, kwargs, grad_kinds)
-    scan = functools.partial(_local_sums, grad_fun, options, call, shapes, plan, kwargs=kwargs)
-    if plan is None:
-      sums = scan(args, None)
+    shapes = _trace_one(grad_fun, options, call, args, kwargs)
+    local_sums = functools.partial(_local_sums, grad_fun, options, call, shapes, kwargs=kwargs)
+    if call.plan is None:
+      sums = local_sums(args, None)
     else:
       sums = _sharding.run(
-          scan, args, batch_argnums=call.batch_argnums, param_argnums=options.argnums, plan=plan,
-          grad_kinds=shapes.grad_kinds, aux_kinds=shapes.reductions,
+          local_sums, args, batch_argnums=call.batch_argnums, param_argnums=options.argnums,
+          plan=call.plan, grad_kinds=shapes.grad_kinds, aux_kinds=shapes.reductions,
       )
     return _finalise(sums, shapes, options, call)
 

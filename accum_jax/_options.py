@@ -79,6 +79,15 @@ class Call(NamedTuple):
   data_axes: tuple[str, ...]  # () without
   num_shards: int
   rows: int  # rows of one microbatch on one device
+  grad_kinds: tuple[str, ...] = ()  # how each gradient leaf combines; see `grad_reductions`
+  plan: Any = None  # the checked _sharding.Plan under a mesh, else None
+
+
+def diff_args(options: Options, args: Sequence[Any]) -> Any:
+  """The differentiated arguments, structured as their gradient is."""
+  if options.single_argnum:
+    return args[options.argnums[0]]
+  return tuple(args[n] for n in options.argnums)
 
 
 def argnums_tuple(argnums: Any, name: str) -> tuple[int, ...]:
@@ -218,7 +227,7 @@ def _check_sharding_options(options: Options) -> None:
     )
 
 
-def check_plan(options: Options, plan: Any, params: Any, kinds: Sequence[str] = ()) -> None:
+def _check_plan(options: Options, plan: Any, params: Any, kinds: Sequence[str]) -> None:
   """What a call's reduction plan cannot do with these options (``kinds``: the
   gradient leaves' :func:`grad_reductions`)."""
   for (path, _), leaf, kind in zip(jax.tree_util.tree_flatten_with_path(params)[0],
@@ -526,7 +535,34 @@ def _check_loss_scale(options: Options, args: tuple[Any, ...], kwargs: dict[str,
     )
 
 
-def check_float16(options: Options, jaxpr: Any) -> None:
+def check_microbatch(options: Options, jaxpr: Any, aux: Any, rows: int) -> tuple[str, ...]:
+  """What one microbatch computes (its ``jaxpr`` and abstract ``aux``), checked
+  against the options; returns how each aux leaf is reduced (see
+  :func:`_aux_reductions`)."""
+  _check_float16(options, jaxpr)
+  return _aux_reductions(aux, options.aux_reduction, rows)
+
+
+def _aux_reductions(aux: Any, spec: Any, rows: int) -> tuple[str, ...]:
+  """How each aux leaf is reduced (``spec``: ``aux_reduction``, maybe per leaf). By
+  default a leaf with a leading axis of the microbatch's rows is per-example
+  (concatenated); any other is averaged."""
+  reductions = []
+  given = per_leaf_spec(spec, aux, "aux_reduction", "the aux")
+  for (path, leaf), (requested, _) in zip(jax.tree.leaves_with_path(aux), given):
+    per_example = len(leaf.shape) >= 1 and leaf.shape[0] == rows
+    if requested == "concat" and not per_example:
+      raise ValueError(
+          f"aux_reduction='concat' returns per-example outputs in batch order, but aux"
+          f" leaf {jax.tree_util.keystr(path) or '(the aux)'} has shape {leaf.shape}, with"
+          f" no leading axis of the microbatch's {rows} rows. Return one row per example,"
+          " or reduce it with aux_reduction='mean' or 'sum'."
+      )
+    reductions.append(requested or ("concat" if per_example else "mean"))
+  return tuple(reductions)
+
+
+def _check_float16(options: Options, jaxpr: Any) -> None:
   """ValueError if one microbatch (``jaxpr``) computes in float16 and
   ``skip_nonfinite`` is left at its default.
 
@@ -568,7 +604,9 @@ def _first_float16(jaxpr: Any) -> tuple[str, Any] | None:
 
 
 def bind(options: Options, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> Call:
-  """Resolves the roles of one call's positional ``args``; ValueError if they don't fit."""
+  """Resolves one call's positional ``args``: their roles, the batch's sizes, how
+  each gradient leaf combines and, under a mesh, the checked reduction plan.
+  ValueError for anything about them that does not fit the options."""
   _check_loss_scale(options, args, kwargs or {})
   batch = _find_batch(options, args)
   _check_in_range(options, batch, len(args))
@@ -587,4 +625,13 @@ def bind(options: Options, args: tuple[Any, ...], kwargs: dict[str, Any] | None 
   if padding and not options.pad_batch:
     _batching.check_divisible(size, options.num_microbatches, num_shards)
   rows = (size + padding) // (num_shards * options.num_microbatches)
-  return Call(batch, size, padding, mesh, axes, num_shards, rows)
+  params = diff_args(options, args)
+  kinds = grad_reductions(options.grad_reduction, params)
+  plan = None
+  if mesh is not None:
+    plan = _sharding.plan(
+        mesh, axes, params, param_sharding=options.param_sharding, gather=options.gather,
+        gather_dtype=options.gather_dtype, reduce_dtype=options.reduce_dtype,
+    )
+    _check_plan(options, plan, params, kinds)
+  return Call(batch, size, padding, mesh, axes, num_shards, rows, kinds, plan)
