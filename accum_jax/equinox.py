@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
@@ -58,6 +58,7 @@ class _StateSlot(eqx.Module):
 
 
 def _is_state(x: Any) -> bool:
+  """Whether ``x`` is an ``eqx.nn.State``."""
   return isinstance(x, eqx.nn.State)
 
 
@@ -102,6 +103,7 @@ def _argnums(value: int | Sequence[int] | None, name: str) -> tuple[int, ...] | 
 
 
 def _check_in_range(nums: tuple[int, ...] | None, name: str, num_args: int) -> None:
+  """ValueError if ``name`` names an argument past the ``num_args`` given."""
   for n in nums or ():
     if n >= num_args:
       raise ValueError(
@@ -179,8 +181,137 @@ def _split_state(aux: Any, state_num: int) -> tuple[Any, Any]:
 
 
 def _put_state(aux: Any, state: Any) -> Any:
+  """``aux`` with ``state`` back where :func:`_split_state` left a ``_StateSlot``."""
   is_slot = lambda x: isinstance(x, _StateSlot)  # noqa: E731
   return jax.tree.map(lambda x: state if is_slot(x) else x, aux, is_leaf=is_slot)
+
+
+class _Parsed(NamedTuple):
+  """The options of :func:`filter_value_and_grad`, checked once when it is built."""
+
+  num_microbatches: int
+  has_aux: bool
+  batch_nums: tuple[int, ...] | None  # None: found per call
+  rng_nums: tuple[int, ...] | None  # None: found per call
+  weight_fn: Callable[..., jax.typing.ArrayLike] | None
+  core: dict[str, Any]  # the other options, for the core door
+
+
+class _Call(NamedTuple):
+  """One call's arguments, cut into arrays and the rest, each in its role."""
+
+  num_args: int
+  diff: Any  # the model's floating-point arrays
+  model_arrays: Any  # the model's other arrays
+  model_static: Any  # the model's non-arrays
+  user_arrays: list[Any]  # the arrays of each argument after the model
+  statics: list[Any]  # the non-arrays of each positional argument
+  batch_nums: tuple[int, ...]
+  rng_nums: tuple[int, ...]
+  state_num: int | None  # the eqx.nn.State argument
+  kw_keys: dict[str, Any]  # keyword arguments that are PRNG keys
+  kw_arrays: dict[str, Any]  # the arrays of the other keyword arguments
+  kw_static: dict[str, Any]  # the non-arrays of the keyword arguments
+
+
+def _parse(
+    num_microbatches: int | None, has_aux: bool, batch_argnums: Any, rng_argnums: Any,
+    weight_fn: Callable[..., jax.typing.ArrayLike] | None, options: dict[str, Any],
+) -> _Parsed:
+  """Checks the options once, when the function is built."""
+  if num_microbatches is None:
+    raise ValueError(
+        "num_microbatches is missing: pass the number of microbatches, an int >= 1 that"
+        " divides the batch, e.g. filter_value_and_grad(loss_fn, num_microbatches=4)."
+    )
+  for fixed, why in _FIXED_OPTIONS.items():
+    if fixed in options:
+      raise ValueError(f"filter_value_and_grad got {fixed}={options[fixed]!r}, but {why}.")
+  return _Parsed(
+      num_microbatches, has_aux, _argnums(batch_argnums, "batch_argnums"),
+      _argnums(rng_argnums, "rng_argnums"), weight_fn, dict(options),
+  )
+
+
+def _bind(parsed: _Parsed, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Call:
+  """Cuts one call's arguments with ``eqx.partition`` and sorts them into their roles."""
+  if not args:
+    raise ValueError(
+        "filter_value_and_grad differentiates the first positional argument (the"
+        " model), but the function was called without positional arguments."
+    )
+  _check_in_range(parsed.batch_nums, "batch_argnums", len(args))
+  _check_in_range(parsed.rng_nums, "rng_argnums", len(args))
+  # Each argument as (arrays, the rest): only the arrays reach JAX's transformations.
+  parts = [eqx.partition(arg, eqx.is_array) for arg in args]
+  diff, model_rest = eqx.partition(args[0], eqx.is_inexact_array)
+  model_arrays, model_static = eqx.partition(model_rest, eqx.is_array)
+  batch_nums, rng_nums, state_num = _roles(parts, args, parsed.batch_nums, parsed.rng_nums)
+  if state_num is not None and not parsed.has_aux:
+    raise ValueError(
+        f"Argument {state_num} is an eqx.nn.State, threaded through the microbatches:"
+        " fun must return (loss, state) and be wrapped with has_aux=True."
+    )
+  kw_arrays, kw_static = eqx.partition(kwargs, eqx.is_array)
+  key_names = [k for k in kwargs if _holds_keys(kw_arrays[k], kw_static[k])]
+  kw_keys = {k: kw_arrays.pop(k) for k in key_names}
+  return _Call(
+      len(args), diff, model_arrays, model_static, [arrays for arrays, _ in parts[1:]],
+      [static for _, static in parts], batch_nums, rng_nums, state_num, kw_keys, kw_arrays,
+      kw_static,
+  )
+
+
+def _core_args(call: _Call) -> tuple[Any, ...]:
+  """The arguments of :func:`_pure`: arrays only."""
+  return (call.diff, *call.user_arrays, call.model_arrays, call.kw_keys, call.kw_arrays)
+
+
+def _pure(fun: Callable[..., Any], call: _Call) -> Callable[..., Any]:
+  """``fun`` on :func:`_core_args`, its ``eqx.nn.State`` moved to where the core threads it."""
+
+  def pure(diff, *arrays):
+    # The core's numbering: 0 the model's floating-point arrays, 1..n-1 the
+    # user's arguments (so messages name the user's numbers), then the model's
+    # other arrays, the keyword keys and the other keyword arrays.
+    user_arrays = arrays[: call.num_args - 1]
+    model_arrays, kw_keys, kw_arrays = arrays[call.num_args - 1:]
+    model = eqx.combine(diff, model_arrays, call.model_static)
+    call_args = [eqx.combine(a, s) for a, s in zip(user_arrays, call.statics[1:])]
+    call_kwargs = eqx.combine({**kw_arrays, **kw_keys}, call.kw_static)
+    out = fun(model, *call_args, **call_kwargs)
+    if call.state_num is None:
+      return out
+    loss, aux = out
+    state, aux = _split_state(aux, call.state_num)
+    return loss, (eqx.filter(state, eqx.is_array), aux)
+
+  return pure
+
+
+def _core_options(parsed: _Parsed, call: _Call) -> dict[str, Any]:
+  """The options of the core door for :func:`_pure` on :func:`_core_args`."""
+  kw_keys_num = call.num_args + 1
+  core_weight_fn = None
+  if parsed.weight_fn is not None:
+    weight_fn = parsed.weight_fn
+
+    def core_weight_fn(*batches):
+      return weight_fn(*(eqx.combine(b, call.statics[n]) for b, n in zip(batches, call.batch_nums)))
+
+  return dict(
+      parsed.core, argnums=0, batch_argnums=call.batch_nums,
+      rng_argnums=call.rng_nums + ((kw_keys_num,) if call.kw_keys else ()),
+      state_argnums=call.state_num, has_aux=parsed.has_aux, weight_fn=core_weight_fn,
+  )
+
+
+def _with_state(out: Any, call: _Call) -> Any:
+  """The core door's ``(loss, (state arrays, aux))`` as ``fun`` returned it, State and all."""
+  if call.state_num is None:
+    return out
+  loss, (state, aux) = out
+  return (loss, _put_state(aux, eqx.combine(state, call.statics[call.state_num])))
 
 
 def filter_value_and_grad(
@@ -259,82 +390,16 @@ def filter_value_and_grad(
         weight_fn=weight_fn,
         **options,
     )
-  if num_microbatches is None:
-    raise ValueError(
-        "num_microbatches is missing: pass the number of microbatches, an int >= 1 that"
-        " divides the batch, e.g. filter_value_and_grad(loss_fn, num_microbatches=4)."
-    )
-  for fixed, why in _FIXED_OPTIONS.items():
-    if fixed in options:
-      raise ValueError(f"filter_value_and_grad got {fixed}={options[fixed]!r}, but {why}.")
-  user_batch = _argnums(batch_argnums, "batch_argnums")
-  user_rng = _argnums(rng_argnums, "rng_argnums")
+  parsed = _parse(num_microbatches, has_aux, batch_argnums, rng_argnums, weight_fn, options)
 
   @functools.wraps(fun)
   def wrapped(*args, **kwargs):
-    if not args:
-      raise ValueError(
-          "filter_value_and_grad differentiates the first positional argument (the"
-          " model), but the function was called without positional arguments."
-      )
-    _check_in_range(user_batch, "batch_argnums", len(args))
-    _check_in_range(user_rng, "rng_argnums", len(args))
-    model, num_args = args[0], len(args)
-    # Each argument as (arrays, the rest): only the arrays reach JAX's transformations.
-    parts = [eqx.partition(arg, eqx.is_array) for arg in args]
-    diff, model_rest = eqx.partition(model, eqx.is_inexact_array)
-    model_arrays, model_static = eqx.partition(model_rest, eqx.is_array)
-    batch_nums, rng_nums, state_num = _roles(parts, args, user_batch, user_rng)
-    if state_num is not None and not has_aux:
-      raise ValueError(
-          f"Argument {state_num} is an eqx.nn.State, threaded through the microbatches:"
-          " fun must return (loss, state) and be wrapped with has_aux=True."
-      )
-    kw_arrays, kw_static = eqx.partition(kwargs, eqx.is_array)
-    key_names = [k for k in kwargs if _holds_keys(kw_arrays[k], kw_static[k])]
-    kw_keys = {k: kw_arrays.pop(k) for k in key_names}
-    statics = [static for _, static in parts]
-
-    def pure(diff, *arrays):
-      # The core's numbering: 0 the model's floating-point arrays, 1..n-1 the
-      # user's arguments (so messages name the user's numbers), then the model's
-      # other arrays, the keyword keys and the other keyword arrays.
-      user_arrays = arrays[: num_args - 1]
-      model_arrays, kw_keys, kw_arrays = arrays[num_args - 1:]
-      model = eqx.combine(diff, model_arrays, model_static)
-      call_args = [eqx.combine(a, s) for a, s in zip(user_arrays, statics[1:])]
-      call_kwargs = eqx.combine({**kw_arrays, **kw_keys}, kw_static)
-      out = fun(model, *call_args, **call_kwargs)
-      if state_num is None:
-        return out
-      loss, aux = out
-      state, aux = _split_state(aux, state_num)
-      return loss, (eqx.filter(state, eqx.is_array), aux)
-
-    kw_keys_num = num_args + 1
-    core_weight_fn = None
-    if weight_fn is not None:
-
-      def core_weight_fn(*batches):
-        return weight_fn(*(eqx.combine(b, statics[n]) for b, n in zip(batches, batch_nums)))
-
+    call = _bind(parsed, args, kwargs)
     vg = _microbatch.value_and_grad(
-        pure,
-        num_microbatches,
-        argnums=0,
-        batch_argnums=batch_nums,
-        rng_argnums=rng_nums + ((kw_keys_num,) if kw_keys else ()),
-        state_argnums=state_num,
-        has_aux=has_aux,
-        weight_fn=core_weight_fn,
-        **options,
+        _pure(fun, call), parsed.num_microbatches, **_core_options(parsed, call)
     )
-    user_arrays = [arrays for arrays, _ in parts[1:]]
-    out, grads, *info = vg(diff, *user_arrays, model_arrays, kw_keys, kw_arrays)
-    if state_num is not None:
-      loss, (state, aux) = out
-      out = (loss, _put_state(aux, eqx.combine(state, statics[state_num])))
-    return (out, grads, *info)
+    out, grads, *info = vg(*_core_args(call))
+    return (_with_state(out, call), grads, *info)
 
   return wrapped
 
