@@ -1,7 +1,8 @@
 """Runs every benchmark, each in its own process, and prints a summary.
 
 The benchmarks (``bench_transform.py``, ``bench_microbatch.py``,
-``bench_planner.py``, ``bench_sharded.py``, and ``soak.py`` where it exists) write
+``bench_planner.py``, ``bench_sharded.py``, ``bench_gpu.py`` (GPT-2 small on a GPU,
+its tiny configuration elsewhere), and ``soak.py`` where it exists) write
 their JSON, and ``bench_microbatch.py`` and ``bench_sharded.py`` their plots, into
 ``bench/results/``. This script adds
 ``run_all.json``: what ran, how long it took, the end of each one's output, and
@@ -13,7 +14,7 @@ those.
 Run from the repository root::
 
   python bench/run_all.py            # the full benchmarks, 10 to 20 minutes on 2 CPU cores
-  python bench/run_all.py --quick    # every benchmark's smoke run, about 2 minutes
+  python bench/run_all.py --quick    # every benchmark's smoke run, about 3 minutes
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -38,6 +40,8 @@ BENCHMARKS: dict[str, tuple[str, list[str], list[str]]] = {
     "microbatch": ("bench_microbatch.py", [], ["--quick"]),
     "planner": ("bench_planner.py", [], ["--quick"]),
     "sharded": ("bench_sharded.py", [], ["--quick"]),
+    # Off a GPU, GPT-2 small would take the whole budget for a few rows.
+    "gpu": ("bench_gpu.py", ["--tiny-off-gpu"], ["--tiny"]),
     # The soak has no --quick: 500 micro-steps are what its test runs.
     "soak": ("soak.py", [], ["--steps", "500"]),
 }
@@ -123,12 +127,61 @@ def summary(quick: bool, since: float) -> list[list[str]]:
                    f" {g['per_microbatch_count'][0]} / {g['per_microbatch_count'][1]},"
                    f" {g['per_microbatch_bytes'][0] / _MIB:.1f} /"
                    f" {g['per_microbatch_bytes'][1] / _MIB:.1f}"])
+  # Off a GPU the full run falls back to the tiny configuration, gpu_quick.json.
+  if gpu := _load("gpu" + suffix, since) or _load("gpu_quick", since):
+    rows += gpu_summary(gpu)
   # The soak writes soak.json whatever its length.
   if soak := _load("soak", since):
     rows.append(["soak", f"{soak.get('steps')} micro-steps: compiles, same windows as the"
                  " reference, skipped / injected",
                  f"{soak.get('compiles')}, {soak.get('windows_match')},"
                  f" {soak.get('num_skipped')} / {soak.get('injections')}"])
+  return rows
+
+
+def gpu_summary(gpu: dict[str, Any]) -> list[list[str]]:
+  """bench_gpu.py's headline figures: accum_jax against the scan and the full batch."""
+  device = gpu["config"]["device_kind"]
+  model = "tiny GPT" if gpu["config"]["tiny"] else "GPT-2 small"
+  rows: list[list[str]] = []
+  timed = [r for r in gpu["results"]
+           if all("step_ms" in r["methods"].get(m, {}) for m in ("accum_jax", "lax.scan"))]
+  if timed:
+    ratios = sorted((r["methods"]["accum_jax"]["step_ms"] / r["methods"]["lax.scan"]["step_ms"],
+                     r["num_microbatches"], r["micro"]) for r in timed)
+    worst = ratios[-1]
+    rows.append(["gpu", f"{model} on {device}: accum_jax / lax.scan step time, median of"
+                 f" {len(ratios)} (N, micro) [worst]",
+                 f"{statistics.median(r[0] for r in ratios):.3f} [{worst[0]:.3f} at N={worst[1]},"
+                 f" micro={worst[2]}]"])
+  peaks = []
+  for r in gpu["results"]:
+    accum, full = (r["methods"].get(m, {}).get("memory", {}) for m in ("accum_jax", "full batch"))
+    if accum.get("status") == full.get("status") == "ok" and r["num_microbatches"] > 1:
+      peaks.append((r["num_microbatches"], r["micro"],
+                    accum["step_peak_bytes"] / full["step_peak_bytes"]))
+  if peaks:
+    n, micro, ratio = max(peaks)
+    rows.append(["gpu", f"accum_jax peak / full batch peak at N={n}, micro={micro}",
+                 f"{ratio:.3f}"])
+  checked = [r["exact"] for r in gpu["results"] if "exact" in r]
+  if checked:
+    worst_grad = max(e["grad_max_rel_diff"] for e in checked)
+    rows.append(["gpu", f"accum_jax loss and gradient = the scan's ({len(checked)} checked;"
+                 " largest grad rel diff)",
+                 f"{'yes' if all(e['match'] for e in checked) else 'NO'} ({worst_grad:.1e})"])
+  for a in gpu["across_calls"]:
+    if a["status"] == "ok":
+      rows.append(["gpu", f"accumulate / MultiSteps (AdamW), every_k={a['every_k']}: micro-step,"
+                   " window", f"{a['micro_step_ratio']:.3f}, {a['window_ratio']:.3f}"])
+  fit = gpu.get("fit")
+  if fit and "exact" in fit:
+    accum = fit["accum_jax"]
+    rows.append(["gpu", f"largest full batch {fit['largest_full_batch']}"
+                 f"{' (cap)' if fit['cap_reached'] else ''}; {fit['batch']} as"
+                 f" {accum['num_microbatches']} x {accum['micro']}: grad rel diff vs scan",
+                 f"{fit['exact']['grad_max_rel_diff']:.1e}"
+                 f" ({'match' if fit['exact']['match'] else 'NO MATCH'})"])
   return rows
 
 

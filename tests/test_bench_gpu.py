@@ -1,0 +1,115 @@
+"""bench/bench_gpu.py at its CPU size: it runs, writes its JSON, and accum_jax matches the scan.
+
+The benchmark is meant for a GPU (GPT-2 small); ``--tiny`` runs the same code on a
+2-layer model of width 64, which is what CI can afford. The script runs in a
+subprocess as a user runs it, with N in (1, 2), microbatches of 1 and 2 sequences, 2
+rounds and no fresh-process memory measurements, and its JSON is checked: every
+(N, micro) row timed for all three methods, accum_jax's loss and gradient equal to
+the hand-written scan's, the across-calls rows present. A second test makes one
+method run out of memory and checks that the row records it and the others go on.
+Timings are not checked: the machine is shared.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+SCRIPT = BENCH / "bench_gpu.py"
+
+
+def _load():
+  if str(BENCH) not in sys.path:
+    sys.path.insert(0, str(BENCH))  # the bench modules import _common as a sibling
+  spec = importlib.util.spec_from_file_location("bench_gpu", SCRIPT)
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[spec.name] = module
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_the_tiny_run_writes_its_rows_and_matches_the_scan() -> None:
+  name = f"gpu_test_{os.getpid()}"
+  path = BENCH / "results" / f"{name}.json"
+  # One CPU device, as the script is run on its own (the root conftest.py asks for 8).
+  flags = os.environ.get("XLA_FLAGS", "").replace("--xla_force_host_platform_device_count=8", "")
+  env = {**os.environ, "XLA_FLAGS": flags.strip(), "JAX_PLATFORMS": "cpu"}
+  try:
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--tiny", "--ns", "1", "2", "--micro", "1", "2",
+         "--rounds", "2", "--no-memory", "--name", name],
+        capture_output=True, text=True, timeout=300, env=env,
+    )
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
+    data = json.loads(path.read_text())
+  finally:
+    path.unlink(missing_ok=True)
+
+  config = data["config"]
+  assert config["tiny"] and config["platform"] == "cpu" and not config["memory"]
+  assert config["model"]["layers"] == 2 and config["model"]["width"] == 64
+  assert config["device_kind"] and config["environment"]["devices"]
+  rows = {(r["num_microbatches"], r["micro"]): r for r in data["results"]}
+  assert set(rows) == {(1, 1), (1, 2), (2, 1), (2, 2)}
+  for (n, micro), row in rows.items():
+    assert row["status"] == "ok" and row["batch"] == n * micro, row
+    for method in ("accum_jax", "lax.scan", "full batch"):
+      entry = row["methods"][method]
+      assert entry["status"] == "ok", (n, micro, method, entry)
+      assert entry["step_ms"] > 0 and len(entry["step_ms_samples"]) == 2
+      assert entry["xla"]["temp_bytes"] > 0
+    exact = row["exact"]
+    assert exact["match"], (n, micro, exact)
+    assert exact["loss_rel_diff"] <= config["loss_rtol"]
+    assert exact["grad_max_rel_diff"] <= config["grad_rtol"]
+    if n == 1:  # one microbatch: the same computation as the scan's single step
+      assert exact["grad_max_rel_diff"] < 1e-6, exact
+  assert data["all_match"] is True
+  assert data["fit"] is None  # off a GPU only with --fit
+
+  (across,) = data["across_calls"]  # N = 1 has no window to accumulate
+  assert across["every_k"] == 2 and across["status"] == "ok", across
+  for name in ("accum_jax", "optax.MultiSteps"):
+    assert across[name]["micro_step_ms"] > 0 and across[name]["window_ms"] > 0
+    assert len(across[name]["call_ms_samples"]) == 2
+  # The printed tables.
+  assert "| N | micro | batch | accum_jax ms" in result.stdout
+  assert "| every_k | accum_jax micro-step ms" in result.stdout
+
+
+def test_a_configuration_out_of_memory_is_recorded_and_the_others_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+  # The module sets this (if unset) for itself and its workers; undone after the test.
+  monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+  bench = _load()
+
+  def out_of_memory(loss, num_microbatches):
+    raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1 bytes.")
+
+  monkeypatch.setitem(bench.METHODS, bench.FULL, out_of_memory)
+  # Smaller than --tiny: only the bookkeeping is under test.
+  config = bench.Config(layers=1, width=16, heads=2, mlp=32, vocab=32, context=8)
+  graphdef, params = bench.make_model(config, "xla")
+  rows = bench.measure_steps(
+      [(2, 1)], bench.make_loss(graphdef), params, config, rounds=1,
+      budget=bench.Budget(0), on_group=lambda: None,
+  )
+  row = rows[2, 1]
+  assert row["methods"]["full batch"]["status"] == "OOM"
+  assert "step_ms" not in row["methods"]["full batch"]
+  for method in ("accum_jax", "lax.scan"):
+    assert row["methods"][method]["status"] == "ok" and row["methods"][method]["step_ms"] > 0
+  assert row["exact"]["match"] and "vs_full" not in row
+  time_table, _ = bench.step_tables(
+      {"flops_per_token": 1.0, "model": {"context": config.context}}, [row]
+  )
+  assert "| OOM " in time_table
+  assert bench.is_oom(RuntimeError("... out of memory ...")) and not bench.is_oom(ValueError("x"))
