@@ -205,15 +205,16 @@ def init(tree: Any, accumulator_dtype: Any = jnp.float32, kinds: Any = None) -> 
 def all_finite(tree: Any) -> jax.Array:
   """True iff every floating leaf of ``tree`` is free of NaN and Inf; shape=().
 
-  ``sum(x * 0) == 0``: NaN and Inf times 0 are NaN, which every sum keeps,
-  while finite values give exact zeros, so no sum of finite values can
-  overflow into a false alarm. One fused pass per leaf that writes nothing
-  (``all(isfinite(x))`` makes XLA on CPU write a boolean array and reduce it,
-  three times slower), and no conditional: on a GPU one would make the host
-  wait.
+  ``sum(x - x) == 0``: a finite value minus itself is an exact zero, while NaN
+  and Inf give NaN, which every sum keeps, so no sum of large finite values can
+  overflow into a false alarm. One fused pass per leaf that reads it once and
+  writes nothing (``x * 0`` would have XLA multiply by an array of zeros it
+  materialises; ``all(isfinite(x))`` writes a boolean array and reduces it,
+  three times slower on CPU), and no conditional: on a GPU one would make the
+  host wait.
   """
   leaves = [jnp.asarray(x) for x in jax.tree.leaves(tree)]
-  zeros = [jnp.sum(x * 0, dtype=_wide(x.dtype)) for x in leaves
+  zeros = [jnp.sum(x - x, dtype=_wide(x.dtype)) for x in leaves
            if jnp.issubdtype(x.dtype, jnp.inexact)]
   if not zeros:
     return jnp.array(True)

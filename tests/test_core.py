@@ -131,6 +131,9 @@ def test_all_finite():
   assert bool(_core.all_finite(params))
   assert not bool(_core.all_finite({**params, "scale": jnp.float32(jnp.nan)}))
   assert bool(_core.all_finite({}))
+  # Exact: large finite values whose sum overflows are finite all the same.
+  assert bool(_core.all_finite({"big": jnp.full((1024,), 3e38, jnp.float32)}))
+  assert not bool(_core.all_finite({"big": jnp.full((4,), 3e38).at[1].set(-jnp.inf)}))
 
 
 def test_accumulator_dtype_none_keeps_the_tree_dtype():
