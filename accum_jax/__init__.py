@@ -10,6 +10,8 @@ from accum_jax._noise import GradientNoise, NoiseScaleEMA
 from accum_jax._parity import LeafDeviation, ParityReport, check_parity
 from accum_jax._planner import MemoryBudgetError, MicrobatchPlan, plan_microbatches
 from accum_jax._resume import abstract_state, abstract_tree
+from accum_jax._sharding import UnknownShardingWarning
+from accum_jax._stats import stats_value_and_grad
 from accum_jax._transform import (
   AccumulationState,
   EveryKSchedule,
@@ -42,6 +44,7 @@ __all__ = (
     "NoiseScaleSchedule",
     "ParityReport",
     "ShouldSkipUpdateFunction",
+    "UnknownShardingWarning",
     "abstract_state",
     "abstract_tree",
     "accumulate",
@@ -54,5 +57,6 @@ __all__ = (
     "noise_scale_every_k",
     "optimizer_step",
     "plan_microbatches",
+    "stats_value_and_grad",
     "value_and_grad",
 )

@@ -186,19 +186,30 @@ class _Device(NamedTuple):
 diff_args = _options.diff_args  # the planner and the parity checker read it here
 
 
-def _one_microbatch(dev: _Device, index, mb, state, share, params) -> _Out:
-  """Value, gradient, new state and aux of microbatch ``index``, its loss scaled by ``share``."""
-  options = dev.options
-  call_args = list(dev.args)
-  for n in dev.call.batch_argnums:
+def microbatch_args(
+    options: _options.Options, call: _options.Call, args: tuple[Any, ...], index: jax.Array,
+    mb: dict[int, Any], state: Any, params: Any, shard_index: jax.Array | None,
+) -> list[Any]:
+  """``args`` as ``fun`` takes them for microbatch ``index``: its rows ``mb`` (by
+  batch argnum), its keys folded in, the threaded ``state`` and ``params`` (as
+  ``fun`` sees them) in their places."""
+  call_args = list(args)
+  for n in call.batch_argnums:
     call_args[n] = mb[n]
   for n in options.rng_argnums:
-    call_args[n] = jax.tree.map(lambda key: _fold_in(key, index, dev.shard_index), dev.args[n])
+    call_args[n] = jax.tree.map(lambda key: _fold_in(key, index, shard_index), args[n])
   if options.state_argnums:
     call_args[options.state_argnums[0]] = state
   flat = [params] if options.single_argnum else params
   for n, p in zip(options.argnums, flat):
     call_args[n] = p
+  return call_args
+
+
+def _one_microbatch(dev: _Device, index, mb, state, share, params) -> _Out:
+  """Value, gradient, new state and aux of microbatch ``index``, its loss scaled by ``share``."""
+  call_args = microbatch_args(dev.options, dev.call, dev.args, index, mb, state, params,
+                              dev.shard_index)
   (value, (raw_value, (new_state, aux))), grads = dev.grad_fun(share, *call_args, **dev.kwargs)
   return _Out(value, raw_value, grads, new_state, aux)
 
@@ -258,6 +269,16 @@ def _aux_add(total: jax.Array, x: jax.Array, reduction: str, weight, kept, first
   return total + jnp.where(kept, x, jnp.zeros_like(x))
 
 
+def microbatches(options, call, args) -> tuple[dict[int, Any], jax.Array | None]:
+  """This device's batch arguments split into microbatches (``(N, rows, ...)``, by
+  argnum), and their weights (see :func:`_weights`)."""
+  split = functools.partial(
+      _batching.split, num_microbatches=options.num_microbatches, how=options.split
+  )
+  batch = {n: jax.tree.map(split, args[n]) for n in call.batch_argnums}
+  return batch, _weights(options, call, batch)
+
+
 def _weights(options, call, batch) -> jax.Array | None:
   """This device's microbatch weights, shape (N,); None without ``weight_fn``.
 
@@ -293,11 +314,7 @@ def _local_sums(grad_fun, options, call, shapes, args, shard_index, *, kwargs):
   See :func:`_passes` for the loop and what it does about non-finite data.
   """
   plan = call.plan
-  split = functools.partial(
-      _batching.split, num_microbatches=options.num_microbatches, how=options.split
-  )
-  batch = {n: jax.tree.map(split, args[n]) for n in call.batch_argnums}
-  weights = _weights(options, call, batch)
+  batch, weights = microbatches(options, call, args)
   params = diff_args(options, args)
   gathered = _sharding.gather(plan, params) if plan and plan.gather == "once" else None
   dev = _Device(grad_fun, options, call, shapes, plan, args, kwargs, shard_index,
@@ -650,7 +667,8 @@ def value_and_grad(
       ``NamedSharding`` or ``PartitionSpec``, or a pytree prefix of them).
       None: read from each parameter, which works for explicit mesh axes and
       for eager calls; under ``jax.jit`` with automatic axes a parameter with
-      none given counts as replicated.
+      none given counts as replicated, and an ``UnknownShardingWarning`` says so
+      (``P()`` for replicated parameters silences it).
     gather: for parameters sharded over a data axis: ``"per_microbatch"``
       (FSDP: the gradient is reduce-scattered into a sharded accumulator every
       microbatch) or ``"once"`` (gathered before the loop, a full-size local

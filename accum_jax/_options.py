@@ -606,7 +606,9 @@ def _first_float16(jaxpr: Any) -> tuple[str, Any] | None:
 def bind(options: Options, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> Call:
   """Resolves one call's positional ``args``: their roles, the batch's sizes, how
   each gradient leaf combines and, under a mesh, the checked reduction plan.
-  ValueError for anything about them that does not fit the options."""
+  ValueError for anything about them that does not fit the options; an
+  ``UnknownShardingWarning`` where the plan takes a parameter whose sharding the
+  trace cannot see as replicated (once per call, so once per trace under jit)."""
   _check_loss_scale(options, args, kwargs or {})
   batch = _find_batch(options, args)
   _check_in_range(options, batch, len(args))
@@ -634,4 +636,7 @@ def bind(options: Options, args: tuple[Any, ...], kwargs: dict[str, Any] | None 
         gather_dtype=options.gather_dtype, reduce_dtype=options.reduce_dtype,
     )
     _check_plan(options, plan, params, kinds)
+    _sharding.warn_hidden(
+        plan, params, options.argnums, options.single_argnum, options.accumulator_dtype
+    )
   return Call(batch, size, padding, mesh, axes, num_shards, rows, kinds, plan)

@@ -25,11 +25,17 @@ its own device before anything crosses devices.
 The sharding of a parameter is read from its type (explicit mesh axes), from
 the array itself (an eager call, the planner), or from ``param_sharding=``. Under
 ``jax.jit`` with automatic axes the traced function cannot see its arguments'
-shardings: without ``param_sharding=`` such a parameter counts as replicated.
+shardings: ``jax.jit`` keys its trace on types that leave automatic axes out, so
+one trace serves a call with sharded parameters and one with replicated ones, and
+only the compiler learns which. Without ``param_sharding=`` such a parameter
+counts as replicated (data parallel, the common case, keeps its one reduction per
+step), and :class:`UnknownShardingWarning` says so at trace time.
 """
 
 from __future__ import annotations
 
+import sys
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple
 
@@ -43,6 +49,35 @@ from accum_jax import _core
 
 Gather = Literal["per_microbatch", "once"]
 GATHERS: tuple[str, ...] = ("per_microbatch", "once")
+
+
+class UnknownShardingWarning(UserWarning):
+  """Under a mesh, a differentiated parameter's sharding cannot be seen at trace time.
+
+  Raised when the step is traced (by ``jax.jit``, ``nnx.jit``,
+  ``eqx.filter_jit``) with a mesh and ``param_sharding=`` names no sharding,
+  and a parameter's traced type does not say how it is sharded (automatic mesh
+  axes, or an array placed on no mesh): it is taken as replicated over the
+  data axes. That is right for data parallelism; for a parameter that is in
+  fact sharded over a data axis (FSDP, HSDP) each device then holds a
+  full-size float32 accumulator and the gradient comes back replicated. Pass
+  ``param_sharding=`` (``P()`` for replicated parameters), use explicit mesh
+  axes, or call the step eagerly.
+
+  Examples:
+    >>> import warnings
+    >>> import jax, jax.numpy as jnp, accum_jax
+    >>> from jax.sharding import AxisType, PartitionSpec as P
+    >>> mesh = jax.make_mesh((jax.device_count(),), ("data",), axis_types=(AxisType.Auto,))
+    >>> loss = lambda w, x: jnp.mean((x @ w) ** 2)
+    >>> w, x = jnp.ones((4, 2)), jnp.ones((2 * jax.device_count(), 4))
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...   warnings.simplefilter("always")
+    ...   _ = jax.jit(accum_jax.value_and_grad(loss, 2, mesh=mesh))(w, x)
+    ...   _ = jax.jit(accum_jax.value_and_grad(loss, 2, mesh=mesh, param_sharding=P()))(w, x)
+    >>> [c.category.__name__ for c in caught]
+    ['UnknownShardingWarning']
+  """
 
 
 def resolve_mesh(mesh: Any, data_axis: Any) -> tuple[Any, tuple[str, ...]]:
@@ -108,6 +143,9 @@ class Plan(NamedTuple):
     gather_dtype: the dtype sharded leaves are gathered in, and ``fun`` sees
       them in; None keeps theirs.
     reduce_dtype: the dtype gradients cross devices in; None keeps theirs.
+    hidden: the indices (among ``leaves``) of the leaves planned as replicated
+      because their sharding could not be seen (see :func:`sharding_hidden`);
+      :func:`warn_hidden` names them.
   """
 
   mesh: Any
@@ -117,6 +155,7 @@ class Plan(NamedTuple):
   gather: str
   gather_dtype: Any
   reduce_dtype: Any
+  hidden: tuple[int, ...] = ()
 
   @property
   def num_shards(self) -> int:
@@ -141,7 +180,8 @@ def _spec_entries(entry: Any) -> tuple[str, ...]:
 def spec_of(x: Any, given: Any = None) -> P | None:
   """The ``PartitionSpec`` of a parameter: ``given``, its type's, or the array's.
 
-  None where it cannot be known: a tracer under ``jax.jit`` with automatic axes.
+  A tracer's type leaves automatic axes out of its spec (see
+  :func:`sharding_hidden`); None where there is no ``NamedSharding`` at all.
   """
   if given is not None:
     return given.spec if isinstance(given, NamedSharding) else given
@@ -151,6 +191,25 @@ def spec_of(x: Any, given: Any = None) -> P | None:
   if isinstance(sharding, NamedSharding):
     return sharding.spec
   return None
+
+
+def sharding_hidden(x: Any, axes: Sequence[str]) -> bool:
+  """Whether ``x`` is a tracer whose type cannot say how it is sharded over ``axes``.
+
+  A traced array's type names only explicit mesh axes: one on a mesh whose data
+  axes are automatic (``AxisType.Auto``, the default of ``jax.sharding.Mesh``),
+  or on no mesh at all (not placed on one), may be sharded over them or not, and
+  only XLA, compiling the step, decides.
+  ``jax.jit`` traces once for every sharding of the same types, so nothing
+  read while tracing could tell. A scalar cannot be sharded.
+  """
+  if not isinstance(x, jax.core.Tracer) or jnp.ndim(x) == 0:
+    return False
+  mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+  if mesh is None or mesh.empty:
+    return True
+  types = dict(zip(mesh.axis_names, mesh.axis_types))
+  return any(types.get(a) != jax.sharding.AxisType.Explicit for a in axes)
 
 
 def _leaf_plan(
@@ -199,16 +258,116 @@ def plan(
     reduce_dtype: see :class:`Plan`.
 
   Returns:
-    The plan.
+    The plan; where ``param_sharding`` names no sharding at all, its ``hidden``
+    lists the leaves whose sharding the trace could not see.
   """
   leaves, treedef = jax.tree.flatten(params)
   given = _broadcast_prefix(param_sharding, params)
-  plans = []
-  for (path, x), spec in zip(jax.tree.leaves_with_path(params), given):
+  # Only a param_sharding that names nothing leaves the parameters unseen: one
+  # that names some leaves said how the others are laid out (None: as their
+  # arrays say, replicated where they cannot say; as Flax's NNX metadata means a
+  # Variable without any).
+  says_nothing = all(spec is None for spec in given)
+  plans, hidden = [], []
+  for i, ((path, x), spec) in enumerate(zip(jax.tree.leaves_with_path(params), given)):
     plans.append(
         _leaf_plan(jnp.shape(x), spec_of(x, spec), axes, jax.tree_util.keystr(path))
     )
-  return Plan(mesh, axes, tuple(plans), treedef, gather, gather_dtype, reduce_dtype)
+    if says_nothing and sharding_hidden(x, axes):
+      hidden.append(i)
+  return Plan(mesh, axes, tuple(plans), treedef, gather, gather_dtype, reduce_dtype,
+              tuple(hidden))
+
+
+def warn_hidden(
+    plan: Plan, params: Any, argnums: Sequence[int], single_argnum: bool,
+    accumulator_dtype: Any,
+) -> None:
+  """:class:`UnknownShardingWarning` for the leaves ``plan`` took as replicated unseen.
+
+  Args:
+    plan: the call's plan.
+    params: the differentiated arguments it was made for (one argument's tree
+      when ``single_argnum``, else a tuple of them, in ``argnums``' order).
+    argnums: the argument numbers of the differentiated arguments.
+    single_argnum: whether ``params`` is one argument's tree.
+    accumulator_dtype: the ``accumulator_dtype`` option, for the bytes it costs.
+  """
+  if not plan.hidden:
+    return
+  flat = jax.tree_util.tree_flatten_with_path(params)[0]
+  # By argument number where several are differentiated; one is named by its
+  # leaves alone (a front door's own argument numbers are not the user's).
+  where: dict[int | None, list[str]] = {}
+  nbytes, dtypes = 0, []
+  for i in plan.hidden:
+    path, x = flat[i]
+    argnum = None
+    if not single_argnum:  # the tuple's index, then the path in that argument
+      argnum, path = argnums[path[0].idx], path[1:]
+    where.setdefault(argnum, []).append(jax.tree_util.keystr(path))
+    dtype = _core.accumulator_dtype_for(jnp.result_type(x), accumulator_dtype)
+    nbytes += int(np.prod(jnp.shape(x))) * dtype.itemsize
+    dtypes += [] if dtype.name in dtypes else [dtype.name]
+  count = len(plan.hidden)
+  it, is_, them = ("it", "is", "it") if count == 1 else ("they", "are", "them")
+  warnings.warn(
+      f"accum_jax cannot see how {_leaves(where, count)} {is_} sharded: under jax.jit a"
+      " traced array's type carries its sharding only over explicit mesh axes (not"
+      f" automatic ones, nor for an array placed on no mesh), so {it} {is_} taken as"
+      " replicated over the data axes"
+      f" {plan.axes} (a local sum on each device, one all-reduce after the loop, as data"
+      f" parallelism wants). If {it} {is_} in fact sharded over them (FSDP, HSDP), each"
+      f" device holds a full-size {'/'.join(dtypes)} accumulator of {them} ({_size(nbytes)}"
+      f" here, where a sharded one holds as little as 1/{plan.num_shards} of that) and the"
+      " gradient comes back replicated. To fix it, pass param_sharding= with the"
+      " parameters' PartitionSpecs (param_sharding=P() for replicated parameters, which"
+      " also silences this warning); or use explicit mesh axes"
+      " (jax.make_mesh(..., axis_types=(AxisType.Explicit,) * k), the parameters placed"
+      " with jax.device_put or jax.sharding.reshard, the step traced under"
+      " jax.set_mesh(mesh)), whose types carry the shardings; or call the step eagerly,"
+      " without jax.jit, where the arrays say how they are sharded.",
+      UnknownShardingWarning, stacklevel=_caller_stacklevel(),
+  )
+
+
+def _leaves(where: dict[int | None, list[str]], count: int) -> str:
+  """The hidden leaves: "2 differentiated leaves (['w1'], ['w2'])", by argument
+  where several are differentiated ("... of argument 0 (['w']) and argument 2")."""
+  def listed(paths: list[str]) -> str:
+    named = [path for path in paths if path]
+    shown = ", ".join(named[:4]) + (f" and {len(named) - 4} more" if len(named) > 4 else "")
+    return f" ({shown})" if named else ""
+
+  what = "the differentiated leaf" if count == 1 else f"{count} differentiated leaves"
+  if len(where) == 1 and None in where:
+    return what + listed(where[None])
+  return f"{what} of " + " and ".join(
+      f"argument {argnum}{listed(paths)}" for argnum, paths in where.items()
+  )
+
+
+def _size(nbytes: int) -> str:
+  for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    if nbytes >= scale:
+      return f"{nbytes / scale:.1f} {unit}"
+  return f"{nbytes} bytes"
+
+
+# A warning points at the user's line that called the step, past the frames of
+# the libraries between (jax.jit's tracing, the front doors, Flax, Equinox).
+_LIBRARIES = frozenset({"accum_jax", "jax", "jaxlib", "flax", "equinox", "contextlib"})
+
+
+def _caller_stacklevel() -> int:
+  """``stacklevel`` for a ``warnings.warn`` in the caller: its first frame outside
+  :data:`_LIBRARIES`."""
+  frame, level = sys._getframe(1), 1
+  while frame.f_back is not None and (
+      frame.f_globals.get("__name__", "").partition(".")[0] in _LIBRARIES
+  ):
+    frame, level = frame.f_back, level + 1
+  return level
 
 
 def _broadcast_prefix(prefix: Any, tree: Any) -> list[Any]:
@@ -424,20 +583,19 @@ def grad_specs(plan: Plan) -> Any:
   return jax.tree.unflatten(plan.treedef, [leaf.spec for leaf in plan.leaves])
 
 
-def run(
-    local_sums: Callable[..., LocalSums],
+def map_devices(
+    fn: Callable[..., Any],
     args: tuple[Any, ...],
     *,
     batch_argnums: tuple[int, ...],
     param_argnums: tuple[int, ...],
     plan: Plan,
-    grad_kinds: Sequence[str] | None = None,
-    aux_kinds: Sequence[str] | None = None,
-) -> LocalSums:
-  """Runs ``local_sums`` on each device's rows and shards; reduces once after
-  (``grad_kinds``, ``aux_kinds``: see :func:`reduce`).
+    out_specs: Any,
+) -> Any:
+  """``fn(args, shard_index)`` on each device's rows of the batch and shards of the
+  parameters, inside ``jax.shard_map`` over the data axes (``out_specs``: its
+  outputs' specs).
 
-  Per-example outputs are concatenated in device order, which is batch order.
   Non-array leaves of the arguments (an Equinox module's functions, Python
   objects) do not enter ``shard_map``.
   """
@@ -454,15 +612,8 @@ def run(
 
   def per_device(dynamic_leaves):
     local = [d if d is not None else s for d, s in zip(dynamic_leaves, leaves)]
-    sums = local_sums(jax.tree.unflatten(treedef, local), jax.lax.axis_index(plan.axes))
-    return reduce(plan, sums, grad_kinds, aux_kinds)
+    return fn(jax.tree.unflatten(treedef, local), jax.lax.axis_index(plan.axes))
 
-  grads = grad_specs(plan)
-  out_specs = LocalSums(
-      acc=_core.Accumulator((P(), grads), *(P(),) * 3),  # type: ignore[arg-type]
-      aux_sums=P(), state=P(),
-      per_example=P(plan.axes), noise=P(), batch_weight=P(),
-  )
   # check_vma=False: the gradient of a replicated argument stays a per-device
   # partial sum until the explicit psum after the loop, instead of being
   # all-reduced in every iteration of the scan. axis_names: only the data axes
@@ -472,6 +623,34 @@ def run(
       per_device, mesh=mesh, in_specs=(in_specs,), out_specs=out_specs, check_vma=False,
       axis_names=set(plan.axes),
   )(dynamic)
+
+
+def run(
+    local_sums: Callable[..., LocalSums],
+    args: tuple[Any, ...],
+    *,
+    batch_argnums: tuple[int, ...],
+    param_argnums: tuple[int, ...],
+    plan: Plan,
+    grad_kinds: Sequence[str] | None = None,
+    aux_kinds: Sequence[str] | None = None,
+) -> LocalSums:
+  """Runs ``local_sums`` on each device's rows and shards; reduces once after
+  (``grad_kinds``, ``aux_kinds``: see :func:`reduce`).
+
+  Per-example outputs are concatenated in device order, which is batch order.
+  """
+  grads = grad_specs(plan)
+  out_specs = LocalSums(
+      acc=_core.Accumulator((P(), grads), *(P(),) * 3),  # type: ignore[arg-type]
+      aux_sums=P(), state=P(),
+      per_example=P(plan.axes), noise=P(), batch_weight=P(),
+  )
+  return map_devices(
+      lambda args, shard_index: reduce(plan, local_sums(args, shard_index), grad_kinds, aux_kinds),
+      args, batch_argnums=batch_argnums, param_argnums=param_argnums, plan=plan,
+      out_specs=out_specs,
+  )
 
 
 def _full_spec(x: Any, spec: P, mesh: Any) -> P:

@@ -3,10 +3,14 @@
 The batch is sharded over a ``"data"`` mesh axis spanning all devices, the parameters are
 replicated, and one jitted step computes the gradient over microbatches and applies Adam::
 
-  grad_fn = accum_jax.value_and_grad(loss_fn, num_microbatches, mesh=mesh, data_axis="data")
+  grad_fn = accum_jax.value_and_grad(loss_fn, num_microbatches, mesh=mesh, data_axis="data",
+                                     param_sharding=P())
 
-Each device scans its own shard of the batch in microbatches and keeps a local sum; the
-devices' sums are added once, after the loop. A plain ``jax.lax.scan`` over microbatches
+``param_sharding=P()`` says that the parameters are replicated: under ``jax.jit`` with
+automatic mesh axes the traced step cannot see it (without it, an
+``accum_jax.UnknownShardingWarning`` says so). Each device scans its own shard of the
+batch in microbatches and keeps a local sum; the devices' sums are added once, after the
+loop. A plain ``jax.lax.scan`` over microbatches
 of the sharded batch computes the same numbers, but XLA all-reduces the gradient inside
 the loop: once per microbatch. The script counts the collectives in both compiled steps
 (inside and outside the loop), checks that both gradients equal the single-device
@@ -180,7 +184,8 @@ def main():
   opt_state = jax.device_put(optimizer.init(params), replicated)
   steps_by_name = {
       "accum_jax": make_train_step(
-          accum_jax.value_and_grad(loss_fn, num_microbatches, mesh=mesh, data_axis="data"),
+          accum_jax.value_and_grad(loss_fn, num_microbatches, mesh=mesh, data_axis="data",
+                                   param_sharding=P()),
           optimizer),
       "plain scan": make_train_step(
           plain_scan_value_and_grad(loss_fn, num_microbatches, mesh), optimizer),

@@ -5,8 +5,10 @@ Run as ``python multihost_worker.py PORT PROCESS_ID NUM_PROCESSES``, with
 coordinator on 127.0.0.1:PORT, builds the global mesh over every process's CPU
 devices, takes the microbatched value and gradient of ``loss`` on the global batch of
 ``problem()`` with ``mesh=``, ``data_axis=`` and ``param_sharding=`` (``w`` sharded
-over the 8 devices, FSDP; ``b`` replicated, data parallel), and prints one line
-``RESULT {json}`` with the shards of the gradients this process holds.
+over the 8 devices, FSDP; ``b`` replicated, data parallel), traces the same call without
+``param_sharding=`` (the natural call, which cannot see the shardings and warns), and
+prints one line ``RESULT {json}`` with the shards of the gradients this process holds
+and the warnings the natural call gave.
 
 jax is imported inside the functions: the test process imports ``problem`` and
 ``loss`` for its reference, and the worker must configure jax before importing it.
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import json
 import sys
+import warnings
 from typing import Any
 
 import numpy as np
@@ -90,6 +93,12 @@ def main(port: int, process_id: int, num_processes: int) -> None:
   )
   compiled = jax.jit(vg).lower(global_params, global_batch).compile()
   value, grads = compiled(global_params, global_batch)
+  # The natural call: under jax.jit with automatic axes each process's trace cannot
+  # see that w is sharded. Traced only (lowered), never run.
+  natural = accum_jax.value_and_grad(loss, NUM_MICROBATCHES, mesh=mesh, data_axis="data")
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    jax.jit(natural).lower(global_params, global_batch)
   result = {
       "process_index": jax.process_index(),
       "process_count": jax.process_count(),
@@ -104,6 +113,7 @@ def main(port: int, process_id: int, num_processes: int) -> None:
       ],
       "value": float(value),
       "grads": {name: _shards(g) for name, g in grads.items()},
+      "natural_call_warnings": [[w.category.__name__, str(w.message)] for w in caught],
   }
   print("RESULT " + json.dumps(result), flush=True)
   jax.distributed.shutdown()

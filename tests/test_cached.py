@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import RTOL, normal, tolerance_for, tree_all_finite, tree_allclose
+from jax.sharding import PartitionSpec as P
 
 import accum_jax
 import accum_jax.testing
@@ -249,7 +250,8 @@ def test_data_parallel_equals_the_full_batch_with_one_gradient_reduction():
   mesh, num_chunks, key = data_mesh(), 2, jax.random.key(4)
   params, batch = make_params(), make_batch(32)
   vg = jax.jit(accum_jax.cached_value_and_grad(
-      embed_two, clip_loss, num_chunks, rng_argnums=2, mesh=mesh, return_info=True))
+      embed_two, clip_loss, num_chunks, rng_argnums=2, mesh=mesh, param_sharding=P(),
+      return_info=True))
   compiled = vg.lower(params, batch, key).compile()
   loss, grads, info = compiled(params, batch, key)
 
@@ -270,7 +272,8 @@ def test_data_parallel_equals_the_full_batch_with_one_gradient_reduction():
 
 def test_data_parallel_mesh_from_jax_set_mesh():
   params, batch = make_params(), make_batch(32)
-  vg = jax.jit(accum_jax.cached_value_and_grad(embed_one, supcon_loss, 2, data_axis="data"))
+  vg = jax.jit(accum_jax.cached_value_and_grad(embed_one, supcon_loss, 2, data_axis="data",
+                                               param_sharding=P()))
   with jax.set_mesh(data_mesh()):
     loss, grads = vg(params, batch)
   full_loss, full_grads = full_batch(embed_one, supcon_loss)(params, batch)

@@ -150,7 +150,8 @@ def _mesh():
 # which microbatches are kept and how many skips are counted.
 LAYOUTS = {
     "one device": (dict(num_microbatches=16), None, KEPT, 1),
-    "data parallel": (dict(num_microbatches=2, data_axis="data"), P(), KEPT, 1),
+    "data parallel": (dict(num_microbatches=2, data_axis="data", param_sharding=P()), P(),
+                      KEPT, 1),
     "fsdp": (dict(num_microbatches=2, data_axis="data",
                   param_sharding={"w": P("data", None), "stat": P()}), P("data", None),
              KEPT_TOGETHER, 8),

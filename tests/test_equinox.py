@@ -19,6 +19,7 @@ import jax.random as jr
 import numpy as np
 import optax
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import accum_jax
 import accum_jax.equinox
@@ -117,7 +118,8 @@ full_value_and_grad = eqx.filter_jit(eqx.filter_value_and_grad(mse))
 @pytest.mark.parametrize("name", list(MODELS))
 def test_filter_value_and_grad_matches_the_full_batch(name, on_mesh, mesh):
   model, x, y = _problem(name)
-  options = {"mesh": mesh} if on_mesh else {}
+  # Data parallel: under filter_jit the replicated model says so (P() for all).
+  options = {"mesh": mesh, "param_sharding": P()} if on_mesh else {}
   vg = accum_jax.equinox.filter_value_and_grad(mse, NUM_MICROBATCHES, **options)
   loss, grads = eqx.filter_jit(vg)(model, x, y)
   full_loss, full_grads = full_value_and_grad(model, x, y)
@@ -129,7 +131,7 @@ def test_filter_value_and_grad_matches_the_full_batch(name, on_mesh, mesh):
 def test_a_static_argument_is_closed_over_also_with_a_mesh(on_mesh, mesh):
   model, x, y = _problem("mlp")
   params, static = eqx.partition(model, eqx.is_array)
-  options = {"mesh": mesh} if on_mesh else {}
+  options = {"mesh": mesh, "param_sharding": P()} if on_mesh else {}
   grad_fn = accum_jax.equinox.filter_grad(mse_partitioned, NUM_MICROBATCHES, **options)
   grads = eqx.filter_jit(grad_fn)(params, static, x, y)
   _, full_grads = full_value_and_grad(model, x, y)
@@ -247,7 +249,8 @@ def test_state_inside_a_dict_of_aux_is_threaded_and_the_rest_reduced():
 def test_state_under_a_mesh_is_threaded_per_device_and_averaged(mesh):
   model, state = eqx.nn.make_with_state(BNModel)(jr.key(0))
   _, x, y = _problem("mlp")
-  grad_fn = accum_jax.equinox.filter_grad(compute_loss, NUM_MICROBATCHES, has_aux=True, mesh=mesh)
+  grad_fn = accum_jax.equinox.filter_grad(compute_loss, NUM_MICROBATCHES, has_aux=True, mesh=mesh,
+                                          param_sharding=P())
   grads, new_state = eqx.filter_jit(grad_fn)(model, state, x, y)
   # Reference: each device's shard, microbatch after microbatch; then the mean of all
   # the gradients and of the devices' floating-point statistics.
@@ -492,7 +495,6 @@ def test_equinox_cnn_example_matches_sequential_calls_and_learns():
 
 def test_fsdp_param_sharding_shaped_like_the_model_passes_through():
   from jax.sharding import NamedSharding
-  from jax.sharding import PartitionSpec as P
 
   # Automatic axes: under jax.jit the traced arrays cannot say how they are sharded.
   mesh = jax.make_mesh((NUM_DEVICES,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))

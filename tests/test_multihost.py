@@ -5,9 +5,10 @@ a coordinator on a free port, reduce across processes with gloo, and run
 ``value_and_grad(..., mesh=mesh, data_axis="data", param_sharding=...)`` on one global
 batch spread over the 8 devices of both, one parameter sharded over all 8 (FSDP) and
 one replicated. The shards each process holds must equal those of the full-batch
-``jax.value_and_grad`` computed here, in one process. Every wait is bounded: the
-workers' distributed initialisation times out, and the test kills them if they
-outlive ``TIMEOUT_S``.
+``jax.value_and_grad`` computed here, in one process; the same call without
+``param_sharding=`` must warn on each process that it cannot see the shardings. Every
+wait is bounded: the workers' distributed initialisation times out, and the test kills
+them if they outlive ``TIMEOUT_S``.
 """
 
 from __future__ import annotations
@@ -82,9 +83,15 @@ def _result(output: str) -> dict:
   return json.loads(lines[0].removeprefix("RESULT "))
 
 
-@pytest.mark.skipif(not _gloo_available(), reason="this jaxlib has no gloo CPU collectives")
-def test_two_processes_shard_and_reduce_as_one_and_match_the_single_process_full_batch():
-  results = sorted((_result(out) for out in _run_workers()), key=lambda r: r["process_index"])
+@pytest.fixture(scope="module")
+def results() -> list[dict]:
+  """The workers' results, by process index (the two processes run once per module)."""
+  if not _gloo_available():
+    pytest.skip("this jaxlib has no gloo CPU collectives")
+  return sorted((_result(out) for out in _run_workers()), key=lambda r: r["process_index"])
+
+
+def test_two_processes_shard_and_reduce_as_one_and_match_the_single_process_full_batch(results):
   params, batch = problem()
   expected_value, expected_grads = jax.value_and_grad(loss)(params, batch)
   rows_seen = []
@@ -112,3 +119,15 @@ def test_two_processes_shard_and_reduce_as_one_and_match_the_single_process_full
           rows_seen.append(shard["start"][0])
   # The 8 one-row shards of w, 4 held by each process.
   assert sorted(rows_seen) == list(range(8)), rows_seen
+
+
+def test_the_natural_call_warns_on_each_process_that_it_cannot_see_the_shardings(results):
+  # Without param_sharding=, under jax.jit with automatic axes, each process traces
+  # the step without seeing that w is sharded over the 8 devices of both.
+  assert [r["process_index"] for r in results] == list(range(NUM_PROCESSES))
+  for result in results:
+    found = [message for category, message in result["natural_call_warnings"]
+             if category == "UnknownShardingWarning"]
+    assert len(found) == 1, result["natural_call_warnings"]
+    assert "2 differentiated leaves (['b'], ['w'])" in found[0], found[0]
+    assert "param_sharding=" in found[0] and "AxisType.Explicit" in found[0], found[0]

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import jit_traced_at_most
+from jax.sharding import PartitionSpec as P
 
 import accum_jax
 from accum_jax import _noise
@@ -72,7 +73,7 @@ def test_under_a_mesh_each_devices_part_is_a_small_batch():
   mesh = jax.make_mesh((8,), ("data",))
   x, y, mask = make_batches(2, steps=600)
   vg = accum_jax.value_and_grad(loss, 2, weight_fn=lambda x, y, m: jnp.sum(m), mesh=mesh,
-                                gradient_noise=True, return_info=True)
+                                param_sharding=P(), gradient_noise=True, return_info=True)
   grad_sq, trace_cov = mean_estimates(vg, x, y, mask)  # K = 8 devices x 2 microbatches
   np.testing.assert_allclose(trace_cov, TRACE_COV, rtol=0.05)
   np.testing.assert_allclose(grad_sq, GRAD_SQ, rtol=0.05)

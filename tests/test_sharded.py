@@ -164,8 +164,10 @@ def test_explicit_axes_are_read_from_the_parameters_types():
 def test_automatic_axes_under_jit_need_param_sharding_and_an_eager_call_reads_the_arrays():
   mesh, data_axis, specs, params, batch = _place("fsdp")
   vg = accum_jax.value_and_grad(loss_fn, NUM_MICROBATCHES, mesh=mesh, data_axis=data_axis)
-  # Under jax.jit the traced function cannot see automatic shardings: replicated.
-  _, grads = jax.jit(vg)(params, batch)
+  # Under jax.jit the traced function cannot see automatic shardings: replicated,
+  # and a warning says so and what to pass.
+  with pytest.warns(accum_jax.UnknownShardingWarning, match=re.escape("param_sharding=")):
+    _, grads = jax.jit(vg)(params, batch)
   assert all(g.sharding.is_fully_replicated for g in jax.tree.leaves(grads))
   value, grads = vg(params, batch)  # eagerly, the arrays say how they are sharded
   tree_allclose((value, grads), _reference())
@@ -273,7 +275,8 @@ def test_gradient_noise_aux_and_state_do_not_depend_on_how_parameters_are_sharde
     return jax.jit(vg)(params, jnp.float32(0.0), batch)
 
   (value, aux), grads, info = run(param_sharding=specs)
-  (value_r, aux_r), grads_r, info_r = run()  # replicated: the data-parallel path
+  # Taken as replicated: the data-parallel path.
+  (value_r, aux_r), grads_r, info_r = run(param_sharding=P())
   tree_allclose((value, aux, grads, info), (value_r, aux_r, grads_r, info_r))
   assert bool(jnp.isfinite(info.gradient_noise.trace_cov))
 

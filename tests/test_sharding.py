@@ -87,8 +87,10 @@ def reference(fun, has_aux=False):
 
 @functools.cache
 def data_parallel(fun, **options):
+  # param_sharding=P(): under jax.jit with automatic axes the replicated
+  # parameters must say so (or an UnknownShardingWarning says it cannot tell).
   vg = accum_jax.value_and_grad(
-      fun, NUM_MICROBATCHES, mesh=data_mesh(), data_axis="data", **options
+      fun, NUM_MICROBATCHES, mesh=data_mesh(), data_axis="data", param_sharding=P(), **options
   )
   return jax.jit(vg)
 
@@ -114,7 +116,8 @@ def test_pad_batch_pads_to_a_multiple_of_the_devices_times_microbatches():
 
 def test_the_ambient_mesh_is_used_when_only_data_axis_is_given():
   params, batch = make_params(), make_batch()
-  vg = jax.jit(accum_jax.value_and_grad(mse_loss, NUM_MICROBATCHES, data_axis="data"))
+  vg = jax.jit(accum_jax.value_and_grad(mse_loss, NUM_MICROBATCHES, data_axis="data",
+                                       param_sharding=P()))
   with jax.set_mesh(data_mesh()):
     value, grads = vg(params, batch)
   expected_value, expected_grads = reference(mse_loss)(params, batch)
@@ -201,7 +204,8 @@ def test_each_device_and_microbatch_gets_its_own_dropout_key():
 
 
 def test_gradients_are_reduced_once_after_the_loop_not_per_microbatch():
-  vg = accum_jax.value_and_grad(mse_loss, 4, mesh=data_mesh(), data_axis="data")
+  vg = accum_jax.value_and_grad(mse_loss, 4, mesh=data_mesh(), data_axis="data",
+                                param_sharding=P())
   hlo = jax.jit(vg).lower(make_params(), make_batch()).compile().as_text()
   counts = collective_counts(hlo)
   assert counts.in_loop == 0

@@ -1,0 +1,281 @@
+"""Losses built from whole-batch statistics: exact over any number of microbatches.
+
+A mixture-of-experts load-balancing loss (Switch, GShard) is ``alpha * E * sum_i
+f_i * P_i``: the fraction of the batch's tokens routed to expert ``i`` times the
+batch's mean router probability for it. It is a function of batch means, not a
+mean of per-microbatch losses, so averaging it over microbatches is wrong (and
+balances each microbatch, not the batch). :func:`stats_value_and_grad` makes it
+exact with the two-pass shape of the cached door::
+
+  stats = _statistics(...)                # pass 1: lax.scan, forward only: the batch's
+                                          #   statistics, a weighted mean (psum'd under a mesh)
+  coupling = jax.grad(stats_loss)(stats)  # the statistics' loss, linearised there
+  value, grads = value_and_grad(fun + <coupling, microbatch stats>)   # pass 2
+  value += stats_loss(stats) - <coupling, stats>
+
+Pass 2 is the inside-step door itself: its options, skip, loop and sharding plan.
+The gradient is exact because the batch's statistics are the weighted mean of the
+microbatches', so ``d stats_loss(S) = <grad stats_loss(S), sum_j share_j dS_j>``;
+the value is exact because pass 1 and pass 2 see the same microbatches with the
+same keys.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from accum_jax import _batching, _core, _microbatch, _options, _sharding
+from accum_jax._microbatch import _describe
+
+
+def _split_out(out: Any, has_aux: bool) -> tuple[Any, Any, Any]:
+  """``fun``'s output as ``(loss, stats, aux)``, checked."""
+  fix = (" fun must return (loss, stats), or (loss, (stats, aux)) with has_aux=True, where"
+         " stats is a pytree of the microbatch's statistics (means over its tokens).")
+  if not isinstance(out, (tuple, list)) or len(out) != 2:
+    raise ValueError(f"fun returned {_describe(out)}.{fix}")
+  loss, stats = out
+  aux: Any = ()
+  if has_aux:
+    if not isinstance(stats, (tuple, list)) or len(stats) != 2:
+      raise ValueError(
+          f"With has_aux=True, fun's second output is {_describe(stats)}.{fix}")
+    stats, aux = stats
+  for path, leaf in jax.tree.leaves_with_path(stats):
+    if not jnp.issubdtype(jnp.result_type(leaf), jnp.floating):
+      raise ValueError(
+          f"The statistic {jax.tree_util.keystr(path) or '(the stats)'} has dtype"
+          f" {jnp.result_type(leaf)}: statistics are means over the microbatch's tokens,"
+          " floating arrays of one shape for every microbatch (a count is a fraction"
+          " of its tokens, e.g. jnp.mean(jax.nn.one_hot(expert, E), axis=0)).")
+  return loss, stats, aux
+
+
+def _check_stats_shapes(fun, options, call, args, kwargs) -> None:
+  """Statistics are means over a microbatch's tokens: their shapes cannot depend on
+  how many rows it has. Per-token values returned unreduced would be averaged
+  position by position over the microbatches, silently wrong; one abstract trace
+  of a single-row microbatch (no compile) catches them."""
+  if call.rows == 1:
+    return
+
+  def shapes(rows):
+    mb = {n: jax.tree.map(lambda x: jax.ShapeDtypeStruct((rows, *x.shape[1:]), x.dtype),
+                          args[n]) for n in call.batch_argnums}
+    params = _options.diff_args(options, args)
+
+    def stats(mb):
+      call_args = _microbatch.microbatch_args(options, call, args, jnp.int32(0), mb, None, params,
+                                              None)
+      return _split_out(fun(*call_args, **kwargs), options.has_aux)[1]
+
+    return jax.eval_shape(stats, mb)
+
+  for (path, one), many in zip(jax.tree.leaves_with_path(shapes(1)),
+                               jax.tree.leaves(shapes(call.rows))):
+    if one.shape != many.shape:
+      raise ValueError(
+          f"The statistic {jax.tree_util.keystr(path) or '(the stats)'} has shape"
+          f" {many.shape} for a microbatch of {call.rows} rows and {one.shape} for one of"
+          " 1: statistics are means over the microbatch's tokens, of one shape whatever"
+          " its size. Reduce it over the tokens (e.g. jnp.mean(x, axis=0), weighted by"
+          " the token mask as the loss is).")
+
+
+def _local_statistics(fun, options, call, args, shard_index, *, kwargs):
+  """This device's weighted sums of its microbatches' statistics, and their weight.
+
+  A forward pass per microbatch, with the rows and keys pass 2 gives it. A
+  microbatch whose loss or statistics are not finite, or whose weight is zero or
+  bad, adds nothing: pass 2 leaves it out too (its loss is not finite, or it
+  weighs nothing). The statistics of each microbatch, a few numbers, are stacked
+  and summed after the loop.
+  """
+  batch, weights = _microbatch.microbatches(options, call, args)
+  plan = call.plan
+  params = _options.diff_args(options, args)
+  if plan is not None and plan.gather == "once":
+    params = _sharding.gather(plan, params)
+
+  def forward(_, x):
+    index, mb, weight = x
+    seen = params if plan is None or plan.gather == "once" else _sharding.gather(plan, params)
+    call_args = _microbatch.microbatch_args(options, call, args, index, mb, None, seen,
+                                            shard_index)
+    loss, stats, _ = _split_out(fun(*call_args, **kwargs), options.has_aux)
+    w = jnp.float32(1.0) if weight is None else weight
+    keep = jnp.isfinite(loss) & _core.all_finite(stats) & jnp.isfinite(w) & (w > 0)
+    w = jnp.where(keep, w, 0.0)
+    stats = jax.tree.map(lambda s: jnp.where(keep, w * s.astype(jnp.float32), 0.0), stats)
+    return (), (stats, w)
+
+  xs = (jnp.arange(options.num_microbatches), batch, weights)
+  _, (stats, w) = jax.lax.scan(jax.named_call(forward, name="accum_jax_statistics"), (), xs)
+  return jax.tree.map(lambda s: jnp.sum(s, axis=0), stats), jnp.sum(w)
+
+
+def _statistics(fun, options, call, args, kwargs) -> Any:
+  """Pass 1: the whole batch's statistics (every device's), float32."""
+  local = functools.partial(_local_statistics, fun, options, call, kwargs=kwargs)
+  if call.plan is None:
+    total, weight = local(args, None)
+  else:
+    axes = call.plan.axes
+    total, weight = _sharding.map_devices(
+        lambda args, shard_index: jax.lax.psum(local(args, shard_index), axes), args,
+        batch_argnums=call.batch_argnums, param_argnums=options.argnums, plan=call.plan,
+        out_specs=P(),
+    )
+  return jax.tree.map(lambda t: t / weight, total)
+
+
+def _linearised(fun: Callable[..., Any], has_aux: bool) -> Callable[..., Any]:
+  """``fun`` with its statistics' loss linearised at the batch's statistics: its
+  loss plus ``<coupling, stats>``, ``coupling`` its last positional argument."""
+
+  def linearised(*args, **kwargs):
+    *fun_args, coupling = args
+    loss, stats, aux = _split_out(fun(*fun_args, **kwargs), has_aux)
+    term = sum(jnp.vdot(c, s.astype(jnp.float32)) for c, s in
+               zip(jax.tree.leaves(coupling), jax.tree.leaves(stats)))
+    value = jnp.asarray(loss).astype(jnp.promote_types(jnp.result_type(loss), jnp.float32))
+    return (value + term, aux) if has_aux else value + term
+
+  return linearised
+
+
+def _stats_loss_at(stats_loss: Callable[[Any], Any], stats: Any) -> tuple[jax.Array, Any]:
+  """``stats_loss(stats)`` and its gradient, checked."""
+  shape = jax.eval_shape(stats_loss, stats)
+  if not hasattr(shape, "shape") or shape.shape != ():
+    raise ValueError(
+        f"stats_loss must return a scalar loss of the whole batch's statistics, got"
+        f" {_describe(shape)}. Sum it, e.g. alpha * E * jnp.sum(f * P).")
+  return jax.value_and_grad(stats_loss)(stats)
+
+
+_UNSUPPORTED = ("state_argnums", "gradient_noise", "grad_reduction")
+
+
+def stats_value_and_grad(
+    fun: Callable[..., Any],
+    stats_loss: Callable[[Any], jax.typing.ArrayLike],
+    num_microbatches: int,
+    *,
+    argnums: int | Sequence[int] = 0,
+    batch_argnums: int | Sequence[int] | None = None,
+    has_aux: bool = False,
+    weight_fn: Callable[..., jax.typing.ArrayLike] | None = None,
+    rng_argnums: int | Sequence[int] | None = None,
+    **options: Any,
+) -> Callable[..., Any]:
+  """``jax.value_and_grad`` of a loss with a term of whole-batch statistics, over
+  microbatches, exact.
+
+  ``fun(params, batch, ...)`` returns a microbatch's loss, which adds up over
+  microbatches like any loss (a mean over its tokens), and its statistics: a
+  pytree of means over its tokens, weighted as the loss is (e.g. per MoE layer,
+  the fraction of tokens routed to each expert and the mean router
+  probability). ``stats_loss(stats)`` is the loss of the whole batch's
+  statistics (e.g. the load-balancing loss). The result is that of
+  ``jax.value_and_grad`` of ``loss(batch) + stats_loss(stats(batch))`` on the
+  whole batch::
+
+    stats = weighted mean over microbatches of fun(params, mb)[1]  # pass 1, forward
+    coupling = grad(stats_loss)(stats)
+    value, grads = value_and_grad(loss_j + <coupling, stats_j>) over microbatches  # pass 2
+    value = value + stats_loss(stats) - <coupling, stats>
+
+  One more forward pass per microbatch than :func:`value_and_grad`. Under
+  ``mesh=`` the statistics are summed across devices before pass 2, so the loss
+  balances the global batch. Statistics without a gradient (routing counts)
+  are wrapped in ``jax.lax.stop_gradient`` by ``fun``, as on the full batch.
+
+  See the guide: :doc:`/guides/moe`.
+
+  Args:
+    fun: ``(params, *args) -> (loss, stats)``, or ``(loss, (stats, aux))`` with
+      ``has_aux``; ``stats`` a pytree of floating arrays.
+    stats_loss: ``stats -> scalar``, the loss of the whole batch's statistics.
+    num_microbatches: as for :func:`value_and_grad`.
+    argnums: which positional argument(s) to differentiate.
+    batch_argnums: which are batches; None finds them as
+      :func:`value_and_grad` does.
+    has_aux: ``fun`` returns ``(loss, (stats, aux))``; the aux is reduced as
+      ``aux_reduction`` says.
+    weight_fn: one microbatch's weight (e.g. its valid tokens): the loss and the
+      statistics are the weighted means over microbatches of theirs.
+    rng_argnums: keys folded per microbatch (the same in both passes).
+    **options: the other options of :func:`value_and_grad` (``aux_reduction``,
+      ``split``, ``pad_batch``, ``accumulator_dtype``, ``skip_nonfinite``,
+      ``mesh``, ``data_axis``, ``param_sharding``, ``gather``, ``gather_dtype``,
+      ``reduce_dtype``, ``return_info``); ``state_argnums``, ``gradient_noise``
+      and ``grad_reduction`` are refused.
+
+  Returns:
+    A function with ``fun``'s arguments returning ``(value, grads)``, ``((value,
+    aux), grads)`` with ``has_aux`` (and a ``MicrobatchInfo`` third with
+    ``return_info``). Call it under ``jax.jit``.
+
+  Raises:
+    ValueError: for bad or refused options; at trace time, for a ``fun`` that
+      does not return ``(loss, stats)``, statistics that are not floating, or a
+      ``stats_loss`` that does not return a scalar.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, accum_jax
+    >>> def fun(w, x):  # a loss, and the batch mean of a statistic
+    ...   h = jnp.tanh(x @ w)
+    ...   return jnp.mean(h ** 2), jnp.mean(h, axis=0)
+    >>> stats_loss = lambda mean: jnp.sum(mean ** 2)  # couples the whole batch
+    >>> w, x = jnp.ones((3, 2)) / 3, jnp.arange(24.0).reshape(8, 3) / 24
+    >>> vg = jax.jit(accum_jax.stats_value_and_grad(fun, stats_loss, num_microbatches=4))
+    >>> value, grads = vg(w, x)
+    >>> def full(w, x):
+    ...   loss, stats = fun(w, x)
+    ...   return loss + stats_loss(stats)
+    >>> full_value, full_grads = jax.value_and_grad(full)(w, x)
+    >>> bool(jnp.allclose(value, full_value)), bool(jnp.allclose(grads, full_grads))
+    (True, True)
+  """
+  refused = sorted(k for k in options if k in _UNSUPPORTED)
+  if refused:
+    raise ValueError(
+        f"stats_value_and_grad does not take {refused[0]}=: the statistics pass and the"
+        " gradient pass must see the same microbatches, and it combines gradients only"
+        " as the weighted mean. Use value_and_grad for a loss without whole-batch"
+        " statistics.")
+  parsed = _options.make(
+      num_microbatches, argnums=argnums, batch_argnums=batch_argnums, has_aux=has_aux,
+      weight_fn=weight_fn, rng_argnums=rng_argnums, **options)
+  linearised = _linearised(fun, has_aux)
+
+  @functools.wraps(fun)
+  def wrapped(*args, **kwargs):
+    call = _options.bind(parsed, args, kwargs)
+    padded = tuple(
+        _batching.pad(arg, call.padding) if call.padding and n in call.batch_argnums else arg
+        for n, arg in enumerate(args))
+    _check_stats_shapes(fun, parsed, call, padded, kwargs)
+    stats = _statistics(fun, parsed, call, padded, kwargs)
+    stats_value, coupling = _stats_loss_at(stats_loss, stats)
+    vg = _microbatch.value_and_grad(
+        linearised, num_microbatches, argnums=argnums, batch_argnums=call.batch_argnums,
+        has_aux=has_aux, weight_fn=weight_fn, rng_argnums=rng_argnums, **options)
+    out, grads, *info = vg(*args, coupling, **kwargs)
+    correction = stats_value - sum(jnp.vdot(c, s) for c, s in
+                                   zip(jax.tree.leaves(coupling), jax.tree.leaves(stats)))
+    if has_aux:
+      value, aux = out
+      out = ((value + correction).astype(value.dtype), aux)
+    else:
+      out = (out + correction).astype(out.dtype)
+    return (out, grads, *info)
+
+  return wrapped
