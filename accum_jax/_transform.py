@@ -380,10 +380,15 @@ def _init(options: _Options, params: Any) -> AccumulationState:
   grads_like = params.fast if isinstance(params, optax.LookaheadParams) else params
   zeros = jax.tree.map(jnp.zeros_like, grads_like)
   _, skip_state = options.skip_fn(zeros, jnp.zeros((), jnp.int32), params)
+  inner_state = options.inner.init(params)
+  # A noise transformation inside must see the window's sum, and optax's DP
+  # aggregate cannot run here at all (it needs per-example gradients).
+  from accum_jax import privacy  # here: privacy builds on this module
+  privacy.check_inner(inner_state, options.reduction)
   return AccumulationState(
       accumulator=_core.init(grads_like, options.accumulator_dtype, _kinds(options, grads_like)),
       optimizer_step=jnp.zeros((), jnp.int32),
-      inner_opt_state=_sharded_like(options.inner.init(params), params),
+      inner_opt_state=_sharded_like(inner_state, params),
       last_updated=jnp.array(False),
       num_empty_windows=jnp.zeros((), jnp.int32),
       value_accumulator=_core.init(jnp.zeros((), jnp.float32), jnp.float32),
@@ -529,15 +534,54 @@ def _inner_update(options, call, inner_state, window, value_window):
   return options.inner.update(grads, inner_state, call.params, **call.extra_args, **window_args)
 
 
+def _separate_zeros(shapes: Any, seed: jax.Array) -> Any:
+  """Zeros shaped like ``shapes``, each leaf a value of its own.
+
+  XLA merges equal ``jnp.zeros`` into one array, which it then copies into each
+  output that needs a buffer of its own: with several parameters of one shape, a
+  call that only accumulates would copy all but one of its zero updates. Each
+  floating leaf here broadcasts its own scalar, ``float32(seed + i) * 0``, which
+  XLA can neither fold (``seed`` is only known when the call runs, and a float
+  times 0 is not 0 when it is NaN) nor merge, and writes straight into its output.
+  The product is formed in float32, where ``seed + i`` is finite, so it is 0 in
+  any dtype (float16 or float8 could not hold ``seed + i``).
+
+  Args:
+    shapes: ``jax.ShapeDtypeStruct`` leaves (with their shardings).
+    seed: an int32 scalar known only at run time (this call's window count).
+
+  Returns:
+    The zeros, a pytree like ``shapes``.
+  """
+  leaves, treedef = jax.tree.flatten(shapes)
+
+  def zeros(i: int, x: jax.ShapeDtypeStruct) -> jax.Array:
+    if not jnp.issubdtype(x.dtype, jnp.inexact):
+      return _core.zeros_like(x)
+    zero = ((seed + i).astype(jnp.float32) * 0).astype(x.dtype)
+    return _core.zeros_like(x) + zero
+
+  return jax.tree.unflatten(treedef, [zeros(i, x) for i, x in enumerate(leaves)])
+
+
 def _step_inner(options, call, state, window) -> tuple[Any, Any, Any]:
   """The updates, the inner state and the last window's noise, after this call.
 
   A conditional, not a select: the inner update is not computed at all on the
   calls that only accumulate, which return zeros and pass the inner state
   through. The window's sum does not go through it: the addition writes it in
-  place before, and the emitting branch only reads it. (Without donation, XLA
-  copies the inner state on every call, as an output may not share an input's
-  buffer; optax.MultiSteps rewrites it on every call instead.)
+  place before, and the emitting branch only reads it. The zeros are written
+  straight into their outputs (:func:`_separate_zeros`): with the state donated
+  and returned first, or with the gradients donated too, such a call copies no
+  parameter-sized array.
+
+  What no layout of the state avoids: without donation XLA copies the inner
+  state on every call, as an output may not share an input's buffer
+  (optax.MultiSteps rewrites it on every call instead); and with only the state
+  donated to ``jax.jit(tx.update)``, the updates take the state's first
+  parameter-shaped buffers, so each parameter-shaped leaf of the state, the
+  inner optimizer's moments among them, moves into the next one's buffer (the
+  last ones into new buffers).
   """
   inner_update = functools.partial(_inner_update, options, call)
   # The shapes, dtypes and shardings of the inner update, for the zeros of
@@ -552,8 +596,8 @@ def _step_inner(options, call, state, window) -> tuple[Any, Any, Any]:
     return new_updates, _cast_like(new_inner_state, inner_state), window_noise
 
   def hold(inner_state, acc, value_window):
-    del acc, value_window
-    return jax.tree.map(_core.zeros_like, update_shapes), inner_state, state.last_noise
+    del value_window
+    return _separate_zeros(update_shapes, acc.count), inner_state, state.last_noise
 
   return jax.lax.cond(
       window.apply, emit, hold, state.inner_opt_state, window.accumulator,

@@ -17,11 +17,14 @@ and small for an elementwise one (Adam).
 
 The micro-step (a call that only accumulates; with Adam, the window never
 closing) is timed against its floor: a jitted ``acc + g`` returning zero
-updates, donated the same way, in the forms a user writes (see
-``MICRO_FORMS``), each call blocked on. A call and its floor's run back to back,
-in alternating order; the ratio reported is the median of these pairs' ratios,
-which machine drift between rounds does not move. Beside the times, the
-number of full-size ``copy`` instructions in each compiled update
+updates, jitted and donated the same way, in each of the forms a user writes
+(see ``MICRO_FORMS``), each call blocked on. Beside it a second floor, the same
+add carrying the inner optimizer's state through unchanged: in a form that
+moves that state (``jax.jit(tx.update, donate_argnums=1)``, or nothing
+donated) it says which part of the cost is the form's. A call and its floors
+run back to back, in rotating order; a ratio reported is the median of these
+rounds' ratios, which machine drift between rounds does not move. Beside the
+times, the number of full-size ``copy`` instructions in each compiled update
 (``_common.full_size_copies``): passes over memory nobody asked for.
 
 Run from the repository root::
@@ -29,6 +32,7 @@ Run from the repository root::
   python bench/bench_transform.py            # full run, bench/results/transform.json
   python bench/bench_transform.py --quick    # smoke run, a few seconds
   python bench/bench_transform.py --inner adam --dim 1024   # the issue's size
+  python bench/bench_transform.py --micro-only --inner adam --dim 1024 --micro-rounds 150
 """
 
 from __future__ import annotations
@@ -304,14 +308,22 @@ MICRO_FORMS = {
     # TrainState step returns its state: each state leaf keeps its own buffer.
     "state first": "state donated, returned first",
     # jax.jit(tx.update, donate_argnums=1): the updates come first and take the
-    # first state leaves' buffers (the accumulator's); every parameter-shaped leaf
-    # after them moves one place down, a copy.
+    # first state leaves' buffers (the accumulator's); each parameter-shaped state
+    # leaf takes the next one's, and the last ones new buffers, whatever the
+    # update computes: XLA copies Adam's moments on every call (so does the floor
+    # carrying the inner state).
     "tx.update": "jax.jit(tx.update, donate_argnums=1)",
     # jax.jit(tx.update, donate_argnums=(0, 1)): the updates take the gradients'
     # buffers, each state leaf keeps its own.
     "tx.update, grads donated": "jax.jit(tx.update, donate_argnums=(0, 1))",
+    # jax.jit(tx.update): every output is a new buffer, so what the call passes
+    # through (the inner optimizer's state) is copied.
+    "undonated": "jax.jit(tx.update), nothing donated",
 }
-MICRO_TARGET = 1.30  # the largest accepted ratio micro-step / floor, donated
+# The arguments of tx.update (grads, state, params) each form donates; the state
+# first form jits its own function.
+MICRO_DONATE = {"tx.update": 1, "tx.update, grads donated": (0, 1), "undonated": ()}
+MICRO_TARGET = 1.30  # the largest accepted ratio micro-step / floor, in every form
 # The rows of the micro-step table: a form, and accumulate's options. The last
 # shows what the gradient's finiteness check (a read of it that the floor does
 # not make) costs: the state-first form without it.
@@ -319,14 +331,31 @@ MICRO_ROWS = [
     ("state first", {}),
     ("tx.update", {}),
     ("tx.update, grads donated", {}),
+    ("undonated", {}),
     ("state first", {"skip_nonfinite": False}),
 ]
+# The micro-step and its two floors, timed back to back in each round.
+MICRO_RUNNERS = ("accum_jax", "floor", "floor carrying")
 
 
 def _floor_update(grads: Any, acc: Any, params: Any) -> tuple[Any, Any]:
   """The floor of a call that only accumulates: ``acc + g``, and zero updates."""
   del params
   return jax.tree.map(jnp.zeros_like, grads), jax.tree.map(jnp.add, acc, grads)
+
+
+def _carrying_floor_update(grads: Any, state: Any, params: Any) -> tuple[Any, Any]:
+  """The floor with the inner optimizer's state carried through unchanged.
+
+  ``state`` is ``(acc, inner_state)``. What moving the inner state costs in a
+  form: with the updates first, JAX gives every parameter-shaped leaf of the
+  state the buffer of the leaf after it (the last ones new buffers), so each of
+  Adam's moments moves on every call, whatever the update does. Beside the bare
+  add, this floor says which part of a form's cost is the form's.
+  """
+  acc, inner_state = state
+  updates, acc = _floor_update(grads, acc, params)
+  return updates, (acc, inner_state)
 
 
 class MicroStep:
@@ -340,7 +369,7 @@ class MicroStep:
       self._run = lambda s, g: jitted(s, g, params)[0]
       lowered = jitted.lower(state, grads, params)
     else:
-      jitted = jax.jit(update, donate_argnums=(0, 1) if self.donates_grads else 1)
+      jitted = jax.jit(update, donate_argnums=MICRO_DONATE[form])
       self._run = lambda s, g: jitted(g, s, params)[1]
       lowered = jitted.lower(grads, state, params)
     self.copies = full_size_copies(lowered.compile(), params)
@@ -357,51 +386,65 @@ class MicroStep:
 def bench_micro_step(
     inner_name: str, params: Any, grads: Any, *, rounds: int, min_seconds: float
 ) -> list[dict[str, Any]]:
-  """accumulate's micro-step against its floor, in every row of MICRO_ROWS, interleaved."""
+  """accumulate's micro-step against its floors, in every row of MICRO_ROWS, interleaved.
+
+  Each row times three jitted calls in its form: accumulate's, the bare add
+  (:func:`_floor_update`, whose ratio is held to ``MICRO_TARGET``) and the add
+  carrying the inner optimizer's state (:func:`_carrying_floor_update`).
+  """
+  make_inner = INNER_OPTIMIZERS[inner_name]
   runners = {}
   for i, (form, options) in enumerate(MICRO_ROWS):
     # A window that never closes: every call only accumulates.
-    opt = accum_jax.accumulate(INNER_OPTIMIZERS[inner_name](), every_k=2**30, **options)
+    opt = accum_jax.accumulate(make_inner(), every_k=2**30, **options)
     runners["accum_jax", i] = MicroStep(opt.update, opt.init(params), params, grads, form)
     acc = jax.tree.map(jnp.zeros_like, params)
     runners["floor", i] = MicroStep(_floor_update, acc, params, grads, form)
+    carried = (jax.tree.map(jnp.zeros_like, params), make_inner().init(params))
+    runners["floor carrying", i] = MicroStep(
+        _carrying_floor_update, carried, params, grads, form
+    )
   for runner in runners.values():
     runner.sample()  # compiled above; the first call still pays one-time costs
   samples: dict[Any, list[float]] = {key: [] for key in runners}
-  ratios: list[list[float]] = [[] for _ in MICRO_ROWS]
+  ratios: dict[Any, list[float]] = {key: [] for key in runners if key[0] != "accum_jax"}
   rows = list(range(len(MICRO_ROWS)))
   done, start = 0, time.perf_counter()
   while done < rounds or time.perf_counter() - start < min_seconds:
-    # Each round starts one row further, and a row's two calls run back to back,
-    # first one then the other: their ratio sees the machine in one state.
+    # Each round starts one row further, and a row's three calls run back to
+    # back, each round starting with the next: their ratios see the machine in
+    # one state.
     for i in rows[done % len(rows):] + rows[:done % len(rows)]:
-      pair = ("accum_jax", "floor") if done % 2 else ("floor", "accum_jax")
-      times = {name: runners[name, i].sample() for name in pair}
+      k = done % len(MICRO_RUNNERS)
+      times = {name: runners[name, i].sample() for name in MICRO_RUNNERS[k:] + MICRO_RUNNERS[:k]}
       for name, t in times.items():
         samples[name, i].append(t)
-      ratios[i].append(times["accum_jax"] / times["floor"])
+      for name in MICRO_RUNNERS[1:]:
+        ratios[name, i].append(times["accum_jax"] / times[name])
     done += 1
   entries = []
   for i, (form, options) in enumerate(MICRO_ROWS):
-    ours, floor = runners["accum_jax", i], runners["floor", i]
-    ms = 1e3 * statistics.median(samples["accum_jax", i])
-    floor_ms = 1e3 * statistics.median(samples["floor", i])
+    ms = {name: 1e3 * statistics.median(samples[name, i]) for name in MICRO_RUNNERS}
     entries.append({
         "inner": inner_name,
         "form": form,
         "form_description": MICRO_FORMS[form],
         "options": options,
         "rounds": done,
-        "accum_jax_ms": ms,
-        "floor_ms": floor_ms,
+        "accum_jax_ms": ms["accum_jax"],
+        "floor_ms": ms["floor"],
         # The median of the back-to-back ratios; the ratio of the medians beside it.
-        "ratio": statistics.median(ratios[i]),
-        "ratio_of_medians": ms / floor_ms,
+        "ratio": statistics.median(ratios["floor", i]),
+        "ratio_of_medians": ms["accum_jax"] / ms["floor"],
         "target_ratio": MICRO_TARGET,
-        "accum_jax_full_size_copies": ours.copies,
-        "floor_full_size_copies": floor.copies,
+        "accum_jax_full_size_copies": runners["accum_jax", i].copies,
+        "floor_full_size_copies": runners["floor", i].copies,
+        "carrying_floor_ms": ms["floor carrying"],
+        "ratio_to_carrying_floor": statistics.median(ratios["floor carrying", i]),
+        "carrying_floor_full_size_copies": runners["floor carrying", i].copies,
         "accum_jax_ms_samples": [1e3 * t for t in samples["accum_jax", i]],
         "floor_ms_samples": [1e3 * t for t in samples["floor", i]],
+        "carrying_floor_ms_samples": [1e3 * t for t in samples["floor carrying", i]],
     })
   return entries
 
@@ -420,6 +463,8 @@ def _print_micro_report(entries: list[dict[str, Any]]) -> None:
           "yes" if e["ratio"] <= e["target_ratio"] else "NO",
           e["accum_jax_full_size_copies"],
           e["floor_full_size_copies"],
+          f"{e['ratio_to_carrying_floor']:.2f}",
+          e["carrying_floor_full_size_copies"],
       ]
       for e in entries
   ]
@@ -436,6 +481,8 @@ def _print_micro_report(entries: list[dict[str, Any]]) -> None:
               "met",
               "full-size copies",
               "floor's",
+              "ratio to the floor carrying the inner state",
+              "its copies",
           ],
           rows,
       )
@@ -481,13 +528,15 @@ def _print_report(config: dict[str, Any], per_inner: list[dict[str, Any]]) -> No
           r["full_size_copies"],
           f"{r['state_bytes'] / 2**20:.2f}",
       ])
-  rounds = ", ".join(sorted({f"{e['inner']} {e['rounds']}" for e in per_inner}))
+  rounds = ", ".join(sorted({f"{e['inner']} {e['rounds']}" for e in per_inner})) or "none"
   print(
       f"params: {config['num_layers']} x ({config['dim']}x{config['dim']} weight + bias),"
       f" {config['num_params']:,} floats; k={k};"
       f" timed windows: {rounds};"
       f" {config['environment']['backend']}, {config['environment']['cpu_count']} CPUs"
   )
+  if not per_inner:  # --micro-only
+    return
   print()
   print(markdown_table(headers, rows))
   print()
@@ -544,7 +593,11 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--warmup", type=int, default=1, help="untimed windows first")
   parser.add_argument(
       "--micro-rounds", type=int, default=40,
-      help="least interleaved rounds of the micro-step against its floor (0: skip them)",
+      help="least interleaved rounds of the micro-step against its floors (0: skip them)",
+  )
+  parser.add_argument(
+      "--micro-only", action="store_true",
+      help="time only the micro-step against its floors, not the windows against MultiSteps",
   )
   parser.add_argument(
       "--inner", nargs="+", choices=sorted(INNER_OPTIMIZERS), default=list(INNER_OPTIMIZERS)
@@ -580,12 +633,14 @@ def main(argv: list[str] | None = None) -> int:
       "donation": args.donation,
       "seed": args.seed,
       "quick": args.quick,
+      "micro_only": args.micro_only,
       "command": " ".join(sys.argv),
       "environment": environment(),
   }
   per_inner = [
       entry
       for inner in args.inner
+      if not args.micro_only
       for entry in bench_inner(
           inner,
           params,

@@ -11,6 +11,7 @@ docs and the code cannot drift apart. The row's "test" cell is its test id here
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
@@ -22,9 +23,11 @@ import numpy as np
 import optax
 import pytest
 from helpers import tree_allclose
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import accum_jax
+import accum_jax.privacy
 
 ERRORS_PAGE = Path(__file__).resolve().parent.parent / "docs" / "errors.md"
 NO_ERROR = "(no error)"
@@ -118,6 +121,12 @@ def _plan_without_memory_analysis():
 def _dynamic_loss_scale():
   jmp = pytest.importorskip("jmp")  # not installed by the oldest-versions job
   return jmp.DynamicLossScale(jnp.float32(2**15))
+
+
+def _noise_before_accumulate():
+  """DP-SGD's noise chained before accumulate: it would run on every call."""
+  return optax.chain(accum_jax.privacy.add_gaussian_noise(1.0, 0),
+                     accum_jax.accumulate(optax.sgd(0.1), 2, reduction="sum"))
 
 
 def _sgd_update(grads, *, weight=None, every_k=2):
@@ -309,6 +318,36 @@ TRIGGERS: dict[str, Callable[[], object]] = {
     "`rtol` or `atol` is negative or not finite": lambda: accum_jax.check_parity(
         _loss, W, jnp.ones((4, 3)), num_microbatches=2, atol=-1.0
     ),
+    "`optax.contrib.differentially_private_aggregate` is in the inner optimizer of `accumulate`": (
+        lambda: accum_jax.privacy.accumulate_private(
+            optax.chain(optax.contrib.differentially_private_aggregate(1.0, 1.0, key=0),
+                        optax.sgd(0.1)),
+            l2_clip=1.0, noise_multiplier=1.0, expected_batch_size=8, key=0,
+        ).init({"w": W})),
+    "it is given `flush` or `weight`: it sits before `accumulate` in an `optax.chain`": lambda: (
+        _noise_before_accumulate().update(
+            {"w": W}, _noise_before_accumulate().init({"w": W}), flush=True)),
+    "an `add_gaussian_noise` (or optax DP aggregate) state sits outside the `accumulate` state": (
+        lambda: accum_jax.privacy.check_state(_noise_before_accumulate().init({"w": W}))),
+    "`add_gaussian_noise` is inside `accumulate` with a `reduction` other than `'sum'`": lambda: (
+        accum_jax.privacy.check_inner(
+            accum_jax.accumulate(optax.chain(accum_jax.privacy.add_gaussian_noise(1.0, 0),
+                                             optax.sgd(0.1)), 2).init({"w": W}).inner_opt_state,
+            "mean")),
+    "`l2_clip` or `expected_batch_size` is not a positive number, or `stddev` or"
+    " `noise_multiplier` is negative": lambda: accum_jax.privacy.dp_aggregate(
+        l2_clip=1.0, noise_multiplier=1.0, expected_batch_size=0, key=0),
+    "`key` is not one PRNG key (a batch of keys)": lambda: accum_jax.privacy.add_gaussian_noise(
+        1.0, jax.random.split(jax.random.key(0), 2)),
+    "`mask` does not have one entry per example": lambda: accum_jax.privacy.clipped_grad_sum(
+        _loss, 1.0)(W, jnp.ones((4, 3)), jnp.ones(3)),
+    "the batch holds no arrays, or a scalar": lambda: accum_jax.privacy.clipped_grad_sum(
+        _loss, 1.0)(W, {}),
+    "`sampling_rate` is above 1": lambda: accum_jax.privacy.poisson_batches(
+        np.random.default_rng(0), 10, sampling_rate=1.5, physical_batch_size=2),
+    "`dataset_size` or `physical_batch_size` is not an int >= 1": lambda: (
+        accum_jax.privacy.poisson_batches(
+            np.random.default_rng(0), 10, sampling_rate=0.5, physical_batch_size=0)),
 }
 
 
@@ -340,7 +379,32 @@ def check_an_unweighted_call_counts_weight_one() -> None:
     tree_allclose(updates, {"w": -0.1 * (3.0 * g1["w"] + g2["w"]) / 4.0})
 
 
+def check_unseen_shardings_warn_and_count_as_replicated() -> None:
+  # A weight sharded over the data axis (FSDP), automatic axes, under jax.jit.
+  mesh = _mesh()
+  w = jax.device_put(jnp.ones(8), NamedSharding(mesh, P("data")))
+  batch = jax.device_put(jnp.ones((16, 8)), NamedSharding(mesh, P("data")))
+  with pytest.warns(accum_jax.UnknownShardingWarning) as caught:
+    _, grads = jax.jit(_vg(mesh=mesh, data_axis="data"))(w, batch)
+  assert len(caught) == 1, [str(c.message) for c in caught]
+  message = str(caught[0].message)
+  for part in ("accum_jax cannot see how the differentiated leaf is sharded",
+               "taken as replicated over the data axes ('data',)",
+               "a full-size float32 accumulator",
+               "param_sharding=P() for replicated parameters",
+               "AxisType.Explicit", "call the step eagerly"):
+    assert part in message, (part, message)
+  assert grads.sharding.is_fully_replicated
+  # Said how it is sharded, it does not warn, and the gradient is sharded like it.
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", accum_jax.UnknownShardingWarning)
+    _, grads = jax.jit(_vg(mesh=mesh, data_axis="data", param_sharding=P("data")))(w, batch)
+  assert grads.sharding.is_equivalent_to(w.sharding, 1)
+
+
 BEHAVIOURS: dict[str, Callable[[], None]] = {
+    "`param_sharding` names no sharding and a parameter's cannot be seen (`jax.jit` with"
+    " automatic mesh axes)": check_unseen_shardings_warn_and_count_as_replicated,
     "a traced `weight` is negative, NaN or infinite": (
         check_traced_bad_weights_are_skipped_and_counted
     ),
