@@ -115,6 +115,35 @@ def check_contrastive(stdout: str) -> None:
   _check_loss_went_down(stdout)
 
 
+def check_dp_sgd(stdout: str) -> None:
+  # Streamed in physical batches, the first logical batch gives what one call on it gives.
+  difference = _number_after("largest difference from one call on the logical batch:", stdout)
+  assert difference < PARITY_TOLERANCE, stdout
+  # One Adam update (and one noise draw) per logical batch of about 4 calls of 64.
+  calls = _number_after("calls of the train step:", stdout)
+  steps = _number_after("optimizer steps (accum_jax.optimizer_step):", stdout)
+  assert steps > 0 and 3 <= calls / steps <= 6, stdout
+  assert _number_after("sampling rate q:", stdout) == round(256 / 1408, 4), stdout
+  assert _number_after("test accuracy:", stdout) > 0.5, stdout
+
+
+def check_moe(stdout: str) -> None:
+  # stats_value_and_grad equals the full batch at initialisation and along training;
+  # value_and_grad of the per-microbatch total loss balances each microbatch instead.
+  for what in ("loss", "gradient", "router gradient", "router gradient of the balance loss"):
+    assert _number_after(f"stats_value_and_grad, {what}:", stdout) < PARITY_TOLERANCE, stdout
+  curve = "max loss-curve difference from the full batch,"
+  assert _number_after(f"{curve} stats_value_and_grad:", stdout) < LOSS_DIFFERENCE_TOLERANCE
+  plain_balance = _number_after("value_and_grad, router gradient of the balance loss:", stdout)
+  assert plain_balance > 0.1, stdout
+  assert _number_after(f"{curve} value_and_grad:", stdout) > MEAN_OF_MEANS_MIN_DEVIATION
+  assert "verdict: stats_value_and_grad is exact:" in stdout, stdout
+  # Ten Adam steps on the same batches: each door's loss went down.
+  for name in ("full batch", "stats_value_and_grad", "value_and_grad"):
+    first, last = re.search(rf"^{name}: first (\S+), last (\S+)$", stdout, re.M).groups()
+    assert float(last) < float(first), stdout
+
+
 EXAMPLES = [
     Example(
         script="quickstart.py",
@@ -144,6 +173,8 @@ EXAMPLES = [
     ),
     Example("resume.py", ("--quick",), (), check_resume),
     Example("contrastive.py", ("--quick", "--plot", "{tmp}/c.png"), ("c.png",), check_contrastive),
+    Example("moe.py", ("--quick", "--plot", "{tmp}/moe.png"), ("moe.png",), check_moe),
+    Example("dp_sgd.py", ("--quick",), (), check_dp_sgd),
 ]
 
 
