@@ -50,6 +50,8 @@ Run from the repository root::
 
   python bench/bench_sharded.py            # full run, about 10 minutes on 2 busy CPU cores
   python bench/bench_sharded.py --quick    # smoke run: a small model, N in 1 and 4 (~35 s)
+  python bench/bench_sharded.py --explicit # only JAX's unreduced-carry recipe against
+                                           # accum_jax, explicit mesh axes (~3.5 minutes)
 """
 
 from __future__ import annotations
@@ -271,6 +273,91 @@ def hand_written_shard_map(problem: Problem, n: int) -> Callable[..., Any]:
   ))
 
 
+# Explicit mesh axes (--explicit): JAX's own recipe for microbatched accumulation
+# ("Autodiff and sharding", docs.jax.dev/en/latest/301/sharding-ad.html, section
+# "Example: microbatch gradient accumulation") against accum_jax on the same mesh.
+X_RECIPE = "JAX recipe: reduced parameters, unreduced carry"
+X_REPLICATED = "JAX recipe's contrast: replicated parameters"
+X_RECIPE_FSDP = "JAX recipe carried to FSDP: gathered to reduced once"
+X_ACCUM = "accum_jax"
+X_ONCE = "accum_jax gather='once'"
+X_DP, X_FSDP = "explicit, data parallel", "explicit, fsdp"
+EXPLICIT_METHODS = {X_DP: (X_RECIPE, X_REPLICATED, X_ACCUM),
+                    X_FSDP: (X_RECIPE_FSDP, X_ACCUM, X_ONCE)}
+
+
+def explicit_problem(width: int, num_layers: int, batch_size: int) -> Problem:
+  """The FSDP problem on a mesh of 8 with an explicit data axis: ``sharded`` has the
+  weights ``P("data", None)``, ``replicated`` has them ``P()``."""
+  base = make_problem("fsdp", width, num_layers, batch_size)
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+  params, batch = jax.device_get(base.replicated)
+  placed_batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
+  sharded = jax.device_put(params, {k: NamedSharding(mesh, s) for k, s in base.specs.items()})
+  replicated = jax.device_put(params, NamedSharding(mesh, P()))
+  return base._replace(layout="explicit", mesh=mesh, act=None, sharded=(sharded, placed_batch),
+                       replicated=(replicated, placed_batch))
+
+
+def _strided(x: jax.Array, n: int) -> jax.Array:
+  """``[rows@data, ...]`` to ``[n, rows / n @data, ...]``, microbatch ``i`` holding rows
+  ``i, i + n, ...`` (a slice of every device's rows): a reshape on each device."""
+  return x.reshape(x.shape[0] // n, n, *x.shape[1:]).swapaxes(0, 1)
+
+
+def jax_unreduced_recipe(problem: Problem, n: int, fsdp: bool = False) -> Callable[..., Any]:
+  """JAX's recipe: the parameters cast to ``reduced`` over the data axis (free: the
+  cast's transpose is the all-reduce), so each microbatch's gradient is ``unreduced``
+  (per-device partial sums), the scan's carry stays unreduced, and one reshard after
+  the loop is the step's only gradient all-reduce.
+
+  The docs place the parameters ``reduced`` with ``device_put``; here the step casts
+  replicated ones (the docs' ``loss2``), so it takes the same arguments as accum_jax.
+  ``fsdp``: the docs give no FSDP form; the natural one casts the sharded
+  parameters to reduced once before the loop (a full copy on each device, as
+  ``gather="once"``) and reshards the unreduced sum back to their sharding."""
+  data = set(problem.data_axes)
+
+  def step(params, batch):
+    specs = jax.tree.map(lambda w: jax.typeof(w).sharding.spec, params)
+    params = jax.tree.map(lambda w: jax.reshard(w, P(reduced=data)), params)
+
+    def microbatch_step(carry, microbatch):
+      total, grad_acc = carry
+      value, grads = jax.value_and_grad(loss_fn)(params, microbatch)
+      assert all(jax.typeof(g).sharding.spec.unreduced == data for g in jax.tree.leaves(grads))
+      return (total + value, jax.tree.map(jnp.add, grad_acc, grads)), None
+
+    grad_acc = jax.tree.map(
+        lambda w: jax.reshard(jnp.zeros_like(w), P(unreduced=data)), params)
+    (total, grad_acc), _ = jax.lax.scan(
+        microbatch_step, (jnp.float32(0), grad_acc),
+        jax.tree.map(lambda x: _strided(x, n), batch))
+    grads = jax.tree.map(lambda g, s: jax.reshard(g, s), grad_acc,
+                         specs if fsdp else jax.tree.map(lambda _: P(), specs))
+    return total / n, jax.tree.map(lambda g: g / n, grads)
+
+  return jax.jit(step)
+
+
+def jax_replicated_recipe(problem: Problem, n: int) -> Callable[..., Any]:
+  """The docs' contrast: the same scan with replicated parameters, whose gradient is
+  replicated, so each microbatch's backward pass all-reduces its own."""
+  def step(params, batch):
+    def microbatch_step(carry, microbatch):
+      total, grad_acc = carry
+      value, grads = jax.value_and_grad(loss_fn)(params, microbatch)
+      return (total + value, jax.tree.map(jnp.add, grad_acc, grads)), None
+
+    grad_acc = jax.tree.map(jnp.zeros_like, params)
+    (total, grad_acc), _ = jax.lax.scan(
+        microbatch_step, (jnp.float32(0), grad_acc),
+        jax.tree.map(lambda x: _strided(x, n), batch))
+    return total / n, jax.tree.map(lambda g: g / n, grad_acc)
+
+  return jax.jit(step)
+
+
 def build(method: str, problem: Problem, n: int) -> tuple[Callable[..., Any], tuple[Any, Any]]:
   """The jitted step of ``method`` at ``n`` microbatches, and its arguments."""
   axes = problem.data_axes
@@ -442,9 +529,12 @@ def relative_deviation(out: Any, reference: Any) -> float:
   return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
 
 
-def measure(method: str, problem: Problem, n: int) -> tuple[dict[str, Any], Callable[[], Any]]:
-  """Compiles one case; its static figures and a call for the timing."""
-  jitted, args = build(method, problem, n)
+def measure(method: str, problem: Problem, n: int,
+            built: tuple[Callable[..., Any], tuple[Any, Any]] | None = None,
+            ) -> tuple[dict[str, Any], Callable[[], Any]]:
+  """Compiles one case (``built``: its jitted step and arguments, else ``build``'s);
+  its static figures and a call for the timing."""
+  jitted, args = built or build(method, problem, n)
   start = time.perf_counter()
   compiled = jitted.lower(*args).compile()
   compile_seconds = time.perf_counter() - start
@@ -584,6 +674,78 @@ def plot(config: dict[str, Any], records: dict[tuple[str, str, int], dict[str, A
   plt.close(fig)
 
 
+def build_explicit(layout: str, method: str, problem: Problem,
+                   n: int) -> tuple[Callable[..., Any], tuple[Any, Any]]:
+  """The jitted step of an explicit-axes row and its arguments."""
+  args = problem.replicated if layout == X_DP else problem.sharded
+  if method in (X_RECIPE, X_RECIPE_FSDP):
+    return jax_unreduced_recipe(problem, n, fsdp=layout == X_FSDP), args
+  if method == X_REPLICATED:
+    return jax_replicated_recipe(problem, n), args
+  gather = "once" if method == X_ONCE else "per_microbatch"
+  return jax.jit(accum_jax.value_and_grad(loss_fn, n, mesh=problem.mesh, data_axis="data",
+                                          gather=gather)), args
+
+
+def run_explicit(args: argparse.Namespace) -> int:
+  """``--explicit``: JAX's recipe against accum_jax under one Explicit-axes mesh."""
+  start = time.perf_counter()
+  problem = explicit_problem(args.width, args.num_layers, args.batch_size)
+  cases = [(layout, m, n) for n in args.ns for layout, ms in EXPLICIT_METHODS.items()
+           for m in ms]
+  records, calls, grads = {}, {}, {}
+  with jax.set_mesh(problem.mesh):
+    for layout, method, n in cases:
+      built = build_explicit(layout, method, problem, n)
+      record, call = measure(method, problem, n, built)
+      records[layout, method, n] = {**record, "layout": layout}
+      calls[layout, method, n] = call
+      grads[layout, method, n] = jax.device_get(call()[1])
+    samples = time_interleaved(calls, rounds=args.rounds)
+  flat = jax.flatten_util.ravel_pytree
+  rows = []
+  for (layout, method, n), r in records.items():
+    recipe = flat(grads[layout, EXPLICIT_METHODS[layout][0], n])[0]
+    ours = flat(grads[layout, method, n])[0]
+    r["vs_recipe"] = float(np.max(np.abs(ours - recipe)) / np.max(np.abs(recipe)))
+    r["step_seconds"] = statistics.median(samples[layout, method, n])
+    r["step_seconds_quartiles"] = quartiles(samples[layout, method, n])
+    c = r["collectives"]
+    q1, q3 = r["step_seconds_quartiles"]
+    rows.append([
+        n, layout.removeprefix("explicit, "), method, _mib(r["temp_output_bytes"]),
+        _mib(r["argument_bytes"]),
+        _mib(r["carry"]["updated_bytes"]) if r["carry"] else "-",
+        c["per_microbatch"] or "-", _mib(c["per_microbatch_bytes"]),
+        c["outside"] or "-", _mib(c["outside_bytes"]), _mib(c["per_step_bytes"]),
+        f"{1e3 * r['step_seconds']:.0f} [{1e3 * q1:.0f}, {1e3 * q3:.0f}]",
+        f"{r['vs_recipe']:.1e}", f"{r['deviation']:.1e}",
+    ])
+  param_bytes = args.num_layers * args.width**2 * 4
+  config = {
+      "width": args.width, "num_layers": args.num_layers, "batch_size": args.batch_size,
+      "ns": args.ns, "rounds": args.rounds, "quick": args.quick,
+      "activation": args.activation, "param_bytes": param_bytes,
+      "mesh": {"data": 8}, "axis_types": "Explicit", "command": " ".join(sys.argv),
+      "environment": environment(), "total_seconds": time.perf_counter() - start,
+  }
+  print(f"{args.num_layers} x {args.width} x {args.width} float32 weights"
+        f" ({param_bytes / _MIB:.0f} MiB), batch {args.batch_size}; mesh (data 8,"
+        f" Explicit); {args.rounds} interleaved rounds; {config['total_seconds']:.0f} s;"
+        " per device; MiB")
+  print(markdown_table(
+      ["N", "layout", "method", "temp + output", "arguments", "accumulator (loop carry)",
+       "collectives per microbatch", "sent per microbatch", "outside the loop",
+       "sent outside", "sent per step", "step ms (median [q1, q3])",
+       "grad vs recipe (max rel.)", "grad vs one device (max rel.)"],
+      rows,
+  ))
+  name = args.name or ("sharded_explicit_quick" if args.quick else "sharded_explicit")
+  path = write_json(name, {"config": config, "results": list(records.values())})
+  print(f"\nwrote {path}")
+  return 0
+
+
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--width", type=int, default=1024)
@@ -598,6 +760,9 @@ def main(argv: list[str] | None = None) -> int:
                       help="smoke run: width 128, 2 layers, batch 64, N in 1 and 4, 2 rounds")
   parser.add_argument("--name", default=None, help="results bench/results/<name>.json/.png"
                       " (default: sharded, or sharded_quick with --quick)")
+  parser.add_argument("--explicit", action="store_true",
+                      help="only JAX's unreduced-carry recipe against accum_jax on a mesh of"
+                      " 8 with an explicit data axis (results sharded_explicit.json)")
   args = parser.parse_args(argv)
   global activation
   activation = ACTIVATIONS[args.activation]
@@ -609,6 +774,8 @@ def main(argv: list[str] | None = None) -> int:
   if len(jax.devices()) < 8:
     sys.exit(f"8 devices are needed, there are {len(jax.devices())}: set XLA_FLAGS="
              "--xla_force_host_platform_device_count=8 before jax is imported.")
+  if args.explicit:
+    return run_explicit(args)
   name = args.name or ("sharded_quick" if args.quick else "sharded")
   start = time.perf_counter()
   size = (args.width, args.num_layers, args.batch_size)
