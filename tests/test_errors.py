@@ -135,6 +135,15 @@ def _sgd_update(grads, *, weight=None, every_k=2):
   return opt.update(grads, opt.init(params), params, weight=weight)
 
 
+def _stats_door(fun, stats_loss=lambda s: jnp.sum(s), **options):
+  """stats_value_and_grad on a batch of 8 rows in 2 microbatches of 4."""
+  return accum_jax.stats_value_and_grad(fun, stats_loss, 2, **options)(W, jnp.ones((8, 3)))
+
+
+def _loss_and_mean(w, batch):
+  return _loss(w, batch), jnp.mean(batch @ w, keepdims=True)
+
+
 TRIGGERS: dict[str, Callable[[], object]] = {
     "`has_aux=True` and `fun` returns a loss alone": lambda: accum_jax.value_and_grad(
         _loss, 2, has_aux=True)(W, jnp.ones((4, 3))),
@@ -348,6 +357,15 @@ TRIGGERS: dict[str, Callable[[], object]] = {
     "`dataset_size` or `physical_batch_size` is not an int >= 1": lambda: (
         accum_jax.privacy.poisson_batches(
             np.random.default_rng(0), 10, sampling_rate=0.5, physical_batch_size=0)),
+    "`fun` does not return a pair `(loss, stats)`": lambda: _stats_door(_loss),
+    "a statistic is not a floating array (a count)": lambda: _stats_door(
+        lambda w, b: (_loss(w, b), jnp.int32(3))),
+    "a statistic's shape depends on the microbatch's size (per-token values left unreduced)":
+        lambda: _stats_door(lambda w, b: (_loss(w, b), b @ w)),
+    "`stats_loss` does not return a scalar": lambda: _stats_door(
+        _loss_and_mean, stats_loss=lambda s: s * 2),
+    "`state_argnums`, `gradient_noise` or `grad_reduction` is given": lambda: _stats_door(
+        _loss_and_mean, state_argnums=1),
 }
 
 
