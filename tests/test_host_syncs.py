@@ -6,6 +6,8 @@ so that XLA cannot simplify the loop or conditional under test away; each test
 also checks that the HLO text still holds it.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -95,7 +97,8 @@ def test_a_cond_in_a_scan_body_syncs_once_per_iteration():
   (cond,) = syncs.conditionals
   assert loop.trip_count == 8 and loop.conditionals == 1
   assert cond.in_loop and not cond.in_branch and cond.runs == 8
-  assert cond.op_name == "jit(scan_cond)/while/body/closed_call/cond"
+  # The body's call is "closed_call" on JAX 0.10, "eval_jaxpr" on 0.12.
+  assert re.fullmatch(r"jit\(scan_cond\)/while/body/\w+/cond", cond.op_name), cond.op_name
   assert syncs.in_loops == (cond,)
   assert syncs.per_run == 8
 
@@ -134,7 +137,7 @@ def test_a_while_loop_of_unknown_trip_count_in_a_scan_is_in_the_loop():
   outer = next(loop for loop in syncs.loops if loop.trip_count is not None)
   inner = next(loop for loop in syncs.loops if loop.trip_count is None)
   assert outer.trip_count == 8 and not outer.in_loop
-  assert inner.in_loop and inner.op_name.endswith("/while/body/closed_call/while")
+  assert inner.in_loop and re.search(r"/while/body/\w+/while$", inner.op_name), inner.op_name
   assert syncs.in_loops == (inner,)
   assert syncs.unknown_trip_count == (inner,)
   assert syncs.per_run is None
@@ -226,7 +229,7 @@ def test_true_and_false_computations_are_followed_as_branches():
 
 def test_assert_no_host_syncs_in_loops():
   assert_no_host_syncs_in_loops(compiled(scan_sum))
-  with pytest.raises(AssertionError, match=r"jit\(scan_cond\)/while/body/closed_call/cond"):
+  with pytest.raises(AssertionError, match=r"jit\(scan_cond\)/while/body/\w+/cond"):
     assert_no_host_syncs_in_loops(compiled(scan_cond))
 
 
