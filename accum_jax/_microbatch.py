@@ -183,9 +183,6 @@ class _Device(NamedTuple):
   gathered: Any  # the parameters gathered before the loop (gather="once"), or None
 
 
-diff_args = _options.diff_args  # the planner and the parity checker read it here
-
-
 def microbatch_args(
     options: _options.Options, call: _options.Call, args: tuple[Any, ...], index: jax.Array,
     mb: dict[int, Any], state: Any, params: Any, shard_index: jax.Array | None,
@@ -230,7 +227,7 @@ def _trace_one(grad_fun, options, call, args, kwargs) -> _Shapes:
       for n in call.batch_argnums
   }
   state = args[options.state_argnums[0]] if options.state_argnums else None
-  params = diff_args(options, args)
+  params = _options.diff_args(options, args)
   plan, grad_kinds = call.plan, call.grad_kinds
   # The parameters as fun sees them: full-size, in the dtype they are gathered in.
   seen = params if plan is None else jax.tree.map(
@@ -315,7 +312,7 @@ def _local_sums(grad_fun, options, call, shapes, args, shard_index, *, kwargs):
   """
   plan = call.plan
   batch, weights = microbatches(options, call, args)
-  params = diff_args(options, args)
+  params = _options.diff_args(options, args)
   gathered = _sharding.gather(plan, params) if plan and plan.gather == "once" else None
   dev = _Device(grad_fun, options, call, shapes, plan, args, kwargs, shard_index,
                 _batch_weight(weights, options, plan), gathered)
@@ -400,7 +397,7 @@ def _params_seen(dev: _Device) -> Any:
   """The parameters as ``fun`` sees them: full-size, gathered where sharded."""
   if dev.gathered is not None:
     return dev.gathered
-  return _sharding.gather(dev.plan, diff_args(dev.options, dev.args))
+  return _sharding.gather(dev.plan, _options.diff_args(dev.options, dev.args))
 
 
 def _judged(dev: _Device, out: _Out, acc, weight, known_bad, judge: bool):
@@ -475,7 +472,10 @@ def _pass(dev: _Device, start, xs, known_bad: jax.Array, *, judge: bool):
 
 
 def _emptied(carry, dev: _Device):
-  """``carry`` with its sums at zero and the state passed in: the start of a pass."""
+  """``carry`` with its sums at zero and the state passed in: the start of a
+  recheck pass. Zeros made here, in the recheck, rather than the first pass's
+  ``start`` reused: that would keep a second set of sums alive beside the first
+  pass's (its start buffers are the ones the first pass adds into)."""
   acc, aux_sums, state, noise = carry
 
   def zero(x):

@@ -488,7 +488,7 @@ def _transport_causes(options: _options.Options, args: tuple[Any, ...]) -> list[
   """Sharded parameters gathered, or gradients reduced, in a narrower dtype."""
   if not options.data_parallel:
     return []
-  params = _microbatch.diff_args(options, args)
+  params = _options.diff_args(options, args)
   widest = max((jnp.finfo(jnp.result_type(x)).bits for x in jax.tree.leaves(params)
                 if jnp.issubdtype(jnp.result_type(x), jnp.floating)), default=0)
   narrow = [

@@ -238,7 +238,7 @@ def read_param_sharding(args: tuple[Any, ...], options: Mapping[str, Any]) -> An
   given = options.get("param_sharding")
   if given is not None or (options.get("mesh") is None and options.get("data_axis") is None):
     return given
-  params = _microbatch.diff_args(_options.make(1, **options), args)
+  params = _options.diff_args(_options.make(1, **options), args)
   return jax.tree.map(lambda x: _sharding.spec_of(x), params)
 
 
@@ -249,7 +249,7 @@ def _gathers(
   a data axis (unless ``gather=`` is given), else one (None)."""
   if call.mesh is None:
     return (None,)
-  params = _microbatch.diff_args(_options.make(1, **options), args)
+  params = _options.diff_args(_options.make(1, **options), args)
   plan = _sharding.plan(
       call.mesh, call.data_axes, params, param_sharding=options.get("param_sharding")
   )
