@@ -1,4 +1,5 @@
-"""Testing utilities: which collectives a compiled step runs, where, over which axes.
+"""Testing utilities: which collectives a compiled step runs, where the host waits, and
+what XLA:GPU does with its conditionals.
 
 :func:`collectives` reads a compiled function's HLO text and lists its
 all-reduces, reduce-scatters, all-gathers, all-to-alls and collective permutes:
@@ -12,8 +13,13 @@ more. :func:`collective_counts` summarises.
 :func:`host_syncs` lists the loops and conditionals of a compiled program: which
 loops have a trip count XLA proved, and which conditionals or uncounted loops sit
 inside loops, where XLA:GPU makes the host wait for the device once per iteration.
-:func:`assert_no_host_syncs_in_loops` fails on the latter. Not imported by
-``import accum_jax``.
+:func:`assert_no_host_syncs_in_loops` fails on the latter.
+
+:func:`gpu_conditionals` predicts, from the program before optimisation, which
+conditionals XLA:GPU keeps and which it replaces by selects, running both branches
+on every call (a rewrite the CPU compiler never makes, so a CPU-compiled program
+cannot show it). :func:`assert_conditionals_kept` fails on the latter. Not
+imported by ``import accum_jax``.
 """
 
 from __future__ import annotations
@@ -29,21 +35,25 @@ __all__ = (
     "CollectiveCounts",
     "Conditional",
     "HostSyncs",
+    "GpuConditional",
     "Loop",
+    "assert_conditionals_kept",
     "assert_no_host_syncs_in_loops",
     "collective_counts",
     "collectives",
+    "gpu_conditionals",
     "host_syncs",
 )
 
-_HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s+\(.*\{\s*$")
+# A computation's first line: "name (params) -> shape {" in compiled text, "name {" in the
+# unoptimised text of a Lowered.
+_HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*(?:\(.*)?\{\s*$")
 _CALLED = re.compile(
     r"(?:body|condition|to_apply|calls|branch_computations|called_computations|"
-    r"true_computation|false_computation)="
-    r"\{?(%[\w.\-]+(?:,\s*%[\w.\-]+)*)\}?"
+    r"true_computation|false_computation)=(\{[^}]*\}|%?[\w.\-]+)"
 )
 _BRANCHES = re.compile(
-    r"(?:branch_computations|true_computation|false_computation)=\{?(%[\w.\-]+(?:,\s*%[\w.\-]+)*)\}?"
+    r"(?:branch_computations|true_computation|false_computation)=(\{[^}]*\}|%?[\w.\-]+)"
 )
 _KINDS = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
 _INSTRUCTION = re.compile(
@@ -132,7 +142,7 @@ def _names(pattern: re.Pattern[str], lines: list[str]) -> set[str]:
   names: set[str] = set()
   for line in lines:
     for m in pattern.finditer(line):
-      names.update(n.strip().lstrip("%") for n in m.group(1).split(","))
+      names.update(n.strip().lstrip("%") for n in m.group(1).strip("{}").split(","))
   return names
 
 
@@ -308,6 +318,9 @@ class Conditional(NamedTuple):
     runs: how many times it runs per run of the program at most (the product of
       the trip counts of the loops around it; fewer where it sits in a branch not
       taken), or None where one of those loops has no known trip count.
+    gpu_kept: whether XLA:GPU keeps it (see :func:`gpu_conditionals`): True, it
+      makes the host wait; False, it becomes selects, so the host does not wait
+      but both branches run; None where unknown (only compiled text was given).
 
   Examples:
     >>> from accum_jax.testing import Conditional
@@ -320,13 +333,16 @@ class Conditional(NamedTuple):
   in_loop: bool
   in_branch: bool
   runs: int | None = None
+  gpu_kept: bool | None = None
 
 
 class HostSyncs(NamedTuple):
   """Where a compiled module makes the host wait for the device, on XLA:GPU.
 
   Returned by :func:`host_syncs`. Each loop of unknown trip count makes the host
-  wait once per iteration; each conditional, once each time it runs.
+  wait once per iteration; each conditional, once each time it runs, unless
+  XLA:GPU replaces it by selects (``gpu_kept`` False): then both its branches run
+  and the host does not wait.
 
   Attributes:
     loops: every ``while`` instruction, in text order.
@@ -353,7 +369,17 @@ class HostSyncs(NamedTuple):
     """What makes the host wait once per iteration of an enclosing loop: the
     conditionals inside loops and the nested loops of unknown trip count."""
     loops = tuple(loop for loop in self.loops if loop.in_loop and loop.trip_count is None)
-    return loops + tuple(c for c in self.conditionals if c.in_loop)
+    return loops + tuple(c for c in self._waiting if c.in_loop)
+
+  @property
+  def both_branches(self) -> tuple[Conditional, ...]:
+    """The conditionals XLA:GPU replaces by selects: no host wait, but both of
+    their branches run every time (known only when a ``Lowered`` was given)."""
+    return tuple(c for c in self.conditionals if c.gpu_kept is False)
+
+  @property
+  def _waiting(self) -> tuple[Conditional, ...]:
+    return tuple(c for c in self.conditionals if c.gpu_kept is not False)
 
   @property
   def unknown_trip_count(self) -> tuple[Loop, ...]:
@@ -367,7 +393,7 @@ class HostSyncs(NamedTuple):
     count add none; each conditional adds one per run of the loops around it."""
     if self.unknown_trip_count:
       return None
-    runs = [c.runs for c in self.conditionals]
+    runs = [c.runs for c in self._waiting]
     return None if None in runs else sum(r for r in runs if r is not None)
 
   def __str__(self) -> str:
@@ -381,6 +407,8 @@ class HostSyncs(NamedTuple):
                else "once a run" if c.runs == 1 else f"{c.runs} times a run")
       if c.in_branch and c.runs is not None:
         waits = "at most " + waits
+      if c.gpu_kept is False:
+        waits = "never: both branches run"
       rows.append(("conditional", c.name, "-", _where(c), waits, c.op_name))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
     return "\n".join(
@@ -394,27 +422,37 @@ def _where(item: Loop | Conditional) -> str:
   return ", ".join(places) or "top level"
 
 
-def _hlo_text(program: Any) -> str:
+def _hlo_text(program: Any) -> tuple[str, tuple[GpuConditional, ...] | None]:
+  """The compiled text of ``program``, and what XLA:GPU does with its conditionals
+  where the unoptimised program was given (a ``Lowered``, compiled here)."""
   if isinstance(program, str):
-    return program
+    return program, None
   import jax  # here, so that reading HLO text alone needs no jax
 
+  predicted = None
+  if isinstance(program, jax.stages.Lowered):
+    predicted = gpu_conditionals(program)
+    program = program.compile()
   if isinstance(program, jax.stages.Compiled):
     text = program.as_text()
     if text is None:
       raise ValueError("this backend gives no HLO text for the compiled program")
-    return text
-  if isinstance(program, jax.stages.Lowered):
-    raise TypeError(
-        "host_syncs needs a compiled program: call .compile() on the Lowered first, "
-        "since XLA proves trip counts while it optimises")
+    return text, predicted
   if isinstance(program, (jax.stages.Wrapped, jax.stages.Traced)):
     raise TypeError(
-        "host_syncs needs a compiled program: pass f.lower(*args).compile(), "
-        f"not a {type(program).__name__}")
+        "host_syncs needs a lowered or compiled program: pass f.lower(*args) or "
+        f"f.lower(*args).compile(), not a {type(program).__name__}")
   raise TypeError(
-      "host_syncs takes a jax.stages.Compiled (jax.jit(f).lower(*args).compile()) or "
-      f"its .as_text(), not a {type(program).__name__}")
+      "host_syncs takes a jax.stages.Lowered (jax.jit(f).lower(*args)), a "
+      "jax.stages.Compiled (its .compile()) or the compiled .as_text(), not a "
+      f"{type(program).__name__}")
+
+
+def _gpu_kept(op_name: str, predicted: tuple[GpuConditional, ...] | None) -> bool | None:
+  """The prediction for a compiled conditional, matched by ``op_name``; None where
+  there is none, or where conditionals of that ``op_name`` were judged differently."""
+  verdicts = {c.kept for c in predicted or () if c.op_name == op_name}
+  return verdicts.pop() if op_name and len(verdicts) == 1 else None
 
 
 def host_syncs(program: Any) -> HostSyncs:
@@ -431,14 +469,21 @@ def host_syncs(program: Any) -> HostSyncs:
   proves as ``known_trip_count`` in the compiled HLO (the CPU compiler too, so
   this can be checked on a CPU).
 
+  Given the unoptimised program (a ``Lowered``), it compiles it on the current
+  backend for the trip counts and also predicts, with :func:`gpu_conditionals`,
+  which conditionals XLA:GPU replaces by selects: those make no host wait (they
+  are left out of ``in_loops`` and ``per_run``), but run both branches
+  (``both_branches``). Given only compiled text, every conditional counts.
+
   Args:
-    program: ``jax.jit(f).lower(*args).compile()``, or its ``.as_text()``.
+    program: ``jax.jit(f).lower(*args)``, its ``.compile()``, or the compiled
+      ``.as_text()``.
 
   Returns:
     A :class:`HostSyncs` listing every loop and conditional.
 
   Raises:
-    TypeError: ``program`` is not compiled (a ``Lowered`` has no trip counts yet).
+    TypeError: ``program`` is not a lowered or compiled program.
 
   Examples:
     >>> import jax, jax.numpy as jnp
@@ -449,7 +494,8 @@ def host_syncs(program: Any) -> HostSyncs:
     >>> [loop.trip_count for loop in syncs.loops], syncs.in_loops, syncs.per_run
     ([8], (), 0)
   """
-  comps = _computations(_hlo_text(program))
+  text, predicted = _hlo_text(program)
+  comps = _computations(text)
   # Every call site: (caller, callee, factor), the factor being how many times
   # the callee runs per run of the caller, None where no one can say.
   sites: list[tuple[str, str, int | None]] = []
@@ -485,7 +531,8 @@ def host_syncs(program: Any) -> HostSyncs:
     loops.append(Loop(name, op_name, trips, sum(c in inside for c, *_ in conds),
                       comp in in_loop, comp in in_branch))
   conditionals = tuple(
-      Conditional(name, op_name, comp in in_loop, comp in in_branch, runs.get(comp))
+      Conditional(name, op_name, comp in in_loop, comp in in_branch, runs.get(comp),
+                  _gpu_kept(op_name, predicted))
       for comp, name, op_name in conds
   )
   return HostSyncs(tuple(loops), conditionals)
@@ -534,7 +581,8 @@ def assert_no_host_syncs_in_loops(program: Any) -> None:
   such a loop inside another loop; see :func:`host_syncs`.
 
   Args:
-    program: ``jax.jit(f).lower(*args).compile()``, or its ``.as_text()``.
+    program: ``jax.jit(f).lower(*args)``, its ``.compile()``, or the compiled
+      ``.as_text()``.
 
   Raises:
     AssertionError: naming each such loop and conditional, its ``op_name`` and why.
@@ -554,9 +602,322 @@ def assert_no_host_syncs_in_loops(program: Any) -> None:
                     "not prove its trip count, so the host waits for its predicate every "
                     "iteration")
   for cond in syncs.conditionals:
-    if cond.in_loop:
+    if cond.in_loop and cond.gpu_kept is not False:
       problems.append(f"conditional {cond.name} ({cond.op_name or 'no op_name'}): inside a "
                       "loop, so the host waits for its branch index every iteration")
   if problems:
     raise AssertionError("the host waits for the device inside loops (on XLA:GPU):\n  "
                          + "\n  ".join(problems))
+
+
+# What XLA:GPU does with a conditional (openxla/xla): its algebraic simplifier turns the
+# index of a two-branch conditional(convert(pred)), which is how lax.cond lowers, into the
+# pred itself; then ConditionalSimplifier::TryRemoveConditional (conditional_simplifier.cc)
+# replaces a two-branch PRED conditional by selects when both branches hold only the
+# opcodes below or elementwise ones, after calls are inlined. Nothing else counts as cheap,
+# whatever its size: the rule has no limit on sizes or counts.
+_CHEAP = frozenset((
+    "broadcast", "concatenate", "dynamic-slice", "get-tuple-element", "reduce", "reshape",
+    "pad", "parameter", "slice", "tuple",
+))
+_ELEMENTWISE = frozenset((
+    # HloInstruction::IsElementwise: constants, and the unary, binary and ternary maps.
+    "constant", "abs", "round-nearest-afz", "round-nearest-even", "ceil",
+    "count-leading-zeros", "convert", "bitcast-convert", "copy", "cosine", "erf",
+    "exponential", "exponential-minus-one", "floor", "imag", "is-finite", "log",
+    "log-plus-one", "not", "negate", "popcnt", "real", "reduce-precision", "rsqrt",
+    "logistic", "sign", "sine", "sqrt", "cbrt", "tan", "tanh", "stochastic-convert", "add",
+    "atan2", "compare", "complex", "divide", "maximum", "minimum", "multiply", "power",
+    "remainder", "subtract", "and", "or", "xor", "shift-left", "shift-right-arithmetic",
+    "shift-right-logical", "select", "clamp", "map", "rng",
+))
+_SIDE_EFFECTS = frozenset((
+    "rng", "rng-get-and-update-state", "send", "send-done", "recv", "recv-done", "infeed",
+    "outfeed",
+))
+# A branch of only these that returns an array is "empty": a select would cost more.
+_PASS_THROUGH = frozenset(("parameter", "tuple", "get-tuple-element"))
+_INSTRUCTION_LINE = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+
+
+class _Instruction(NamedTuple):
+  name: str
+  opcode: str
+  shape: str
+  operands: tuple[str, ...]
+  line: str
+
+
+class _Computation(NamedTuple):
+  instructions: dict[str, _Instruction]  # in text order
+  root: str
+
+
+def _balanced(text: str, start: int) -> int:
+  """The index just past the parenthesis that closes the one at ``start``."""
+  depth = 0
+  for i in range(start, len(text)):
+    depth += {"(": 1, ")": -1}.get(text[i], 0)
+    if depth == 0:
+      return i + 1
+  return len(text)
+
+
+def _instruction(line: str) -> tuple[_Instruction, bool] | None:
+  m = _INSTRUCTION_LINE.match(line)
+  if not m:
+    return None
+  rest = m.group(3)
+  end = _balanced(rest, 0) if rest.startswith("(") else rest.find(" ")
+  op = re.match(r"\s*([\w\-]+)\(", rest[end:])
+  if end < 0 or not op:
+    return None
+  args_start = end + op.end() - 1
+  args = rest[args_start + 1:_balanced(rest, args_start) - 1]
+  operands = tuple(re.findall(r"%?([\w.\-]+)(?=\s*(?:,|$))", args))
+  return _Instruction(m.group(2), op.group(1), rest[:end], operands, line), bool(m.group(1))
+
+
+def _parse(hlo_text: str) -> dict[str, _Computation]:
+  parsed = {}
+  for name, lines in _computations(hlo_text).items():
+    instructions, root = {}, ""
+    for line in lines:
+      found = _instruction(line)
+      if found:
+        instructions[found[0].name] = found[0]
+        root = found[0].name if found[1] else root
+    parsed[name] = _Computation(instructions, root)
+  return parsed
+
+
+class GpuConditional(NamedTuple):
+  """What XLA:GPU does with one ``conditional`` (``lax.cond``, ``lax.switch``).
+
+  Attributes:
+    name: the conditional's name in the HLO text, e.g. ``"cond.1"``.
+    op_name: its metadata ``op_name`` (``""`` if none), e.g. ``"jit(step)/cond"``.
+    kept: True where XLA:GPU keeps the conditional (one branch runs, after the host
+      has read the index); False where it becomes selects: both branches run on
+      every call and the host does not wait.
+    reason: which rule decided, naming the instruction that did.
+
+  Examples:
+    >>> from accum_jax.testing import GpuConditional
+    >>> c = GpuConditional("cond.1", "jit(step)/cond", True, "branch 1 holds a dot (dot.3)")
+    >>> c.kept
+    True
+  """
+
+  name: str
+  op_name: str
+  kept: bool
+  reason: str
+
+
+def _lowered_text(program: Any) -> str:
+  if isinstance(program, str):
+    return program
+  import jax  # here, so that reading HLO text alone needs no jax
+
+  if isinstance(program, jax.stages.Lowered):
+    return program.as_text(dialect="hlo", debug_info=True)
+  if isinstance(program, jax.stages.Compiled):
+    raise TypeError(
+        "gpu_conditionals needs the unoptimised program, as XLA:GPU receives it: pass "
+        "jax.jit(f).lower(*args), not its .compile(), which another backend has already "
+        "optimised")
+  raise TypeError(
+      "gpu_conditionals takes a jax.stages.Lowered (jax.jit(f).lower(*args)) or its "
+      f".as_text(dialect='hlo'), not a {type(program).__name__}")
+
+
+def gpu_conditionals(program: Any) -> tuple[GpuConditional, ...]:
+  """Predicts which conditionals XLA:GPU keeps and which it turns into selects.
+
+  XLA:GPU's algebraic simplifier turns the index of a two-branch
+  ``conditional(convert(pred))``, which is how ``jax.lax.cond`` lowers, into the
+  boolean itself (openxla/xla 433638e0). Its ``simplify-conditional`` pass
+  (``ConditionalSimplifier::TryRemoveConditional``) then replaces a two-branch
+  conditional on a boolean by selects when every instruction of both branches is
+  cheap: elementwise, or a broadcast, concatenate, dynamic-slice,
+  get-tuple-element, reduce, reshape, pad, parameter, slice or tuple, calls being
+  inlined first. Both branches then run on every call. It keeps the conditional
+  when something in it has a side effect, when there are not exactly two
+  branches, when the index is not a converted boolean (``lax.switch`` clamps its
+  index), when a branch holds anything else (a dot, transpose, iota, while loop,
+  custom call, optimization barrier, a conditional it keeps, ...), or when a
+  branch only passes values through. The CPU compiler keeps every conditional,
+  so a CPU-compiled program cannot show this; this function applies the rules
+  to the program before optimisation.
+
+  Other simplifications can change what a branch holds before the rule runs (a
+  dot with a vector operand may become a multiply and a reduce; a transpose of
+  size-1 dimensions a reshape), and a conditional whose index is a constant is
+  inlined: the predictions are for the program as written.
+
+  Args:
+    program: ``jax.jit(f).lower(*args)``, or its ``.as_text(dialect="hlo")``.
+
+  Returns:
+    One :class:`GpuConditional` per conditional, in text order.
+
+  Raises:
+    TypeError: ``program`` is compiled, or not a program.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> from accum_jax.testing import gpu_conditionals
+    >>> def step(x, n):
+    ...   return jax.lax.cond(n % 8 == 0, lambda x: 2 * x, lambda x: x + 1, x)
+    >>> (c,) = gpu_conditionals(jax.jit(step).lower(jnp.ones(4), 0))
+    >>> c.op_name, c.kept, c.reason
+    ('jit(step)/cond', False, 'all instructions cheap: both branches run')
+  """
+  comps = _parse(_lowered_text(program))
+  prefixes = _op_name_prefixes(comps)
+  memo: dict[str, tuple[bool, str]] = {}
+  found = []
+  for name, comp in comps.items():
+    for instr in comp.instructions.values():
+      if instr.opcode == "conditional":
+        kept, reason = _judge(instr, comp, comps, memo)
+        op_name = "/".join(p for p in (prefixes.get(name, ""), _op_name(instr.line)) if p)
+        found.append(GpuConditional(instr.name, op_name, kept, reason))
+  return tuple(found)
+
+
+def _op_name_prefixes(comps: dict[str, _Computation]) -> dict[str, str]:
+  """What to put before the op_names of each computation. JAX names the instructions
+  of a called function relative to the call (``cond``, not ``jit(f)/.../cond``), and
+  inlining the call prefixes the call's own op_name, as the compiled text shows."""
+  parents: dict[str, tuple[str, _Instruction]] = {}
+  for name, comp in comps.items():
+    for instr in comp.instructions.values():
+      for callee in _names(_CALLED, [instr.line]):
+        parents.setdefault(callee, (name, instr))
+  prefixes: dict[str, str] = {}
+
+  def prefix(name: str, seen: frozenset[str]) -> str:
+    if name not in prefixes:
+      parent, site = parents.get(name, ("", None))
+      outer = prefix(parent, seen | {name}) if site and parent not in seen else ""
+      if site is not None and site.opcode == "call":
+        outer = "/".join(p for p in (outer, _op_name(site.line)) if p)
+      prefixes[name] = outer
+    return prefixes[name]
+
+  for name in comps:
+    prefix(name, frozenset())
+  return prefixes
+
+
+def _judge(cond: _Instruction, comp: _Computation, comps: dict[str, _Computation],
+           memo: dict[str, tuple[bool, str]]) -> tuple[bool, str]:
+  """(kept, reason) for one conditional, in the order TryRemoveConditional checks."""
+  if cond.name not in memo:
+    branches = [name.strip().lstrip("%") for m in _BRANCHES.finditer(cond.line)
+                for name in m.group(1).strip("{}").split(",")]
+    memo[cond.name] = (
+        _side_effect(branches, comps) or _shape_of_choice(cond, comp, branches)
+        or _expensive(branches, comps, memo) or _passes_through(branches, comps)
+        or (False, "all instructions cheap: both branches run"))
+  return memo[cond.name]
+
+
+def _side_effect(branches: list[str], comps: dict[str, _Computation]
+                 ) -> tuple[bool, str] | None:
+  for name in sorted(_closure(set(branches), {k: [i.line for i in c.instructions.values()]
+                                              for k, c in comps.items()})):
+    for instr in comps[name].instructions.values():
+      if instr.opcode in _SIDE_EFFECTS or "custom_call_has_side_effect=true" in instr.line:
+        return True, f"{instr.name} ({instr.opcode}) has a side effect"
+  return None
+
+
+def _shape_of_choice(cond: _Instruction, comp: _Computation, branches: list[str]
+                     ) -> tuple[bool, str] | None:
+  if len(branches) != 2:
+    return True, f"{len(branches)} branches: only two can become selects"
+  index = comp.instructions.get(cond.operands[0]) if cond.operands else None
+  if index is None or index.shape.startswith("pred["):
+    return None
+  source = comp.instructions.get(index.operands[0]) if index.operands else None
+  if index.opcode == "convert" and source is not None and source.shape.startswith("pred["):
+    return None
+  return True, (f"its index {index.name} is an integer {index.opcode}, not a converted "
+                "boolean, so it stays an integer")
+
+
+def _live(name: str, comps: dict[str, _Computation]) -> list[_Instruction]:
+  """The instructions of a computation that its root uses, calls inlined (as XLA:GPU
+  inlines them and removes dead code before the rule runs), in text order."""
+  comp = comps[name]
+  used: set[str] = set()
+  todo = [comp.root]
+  while todo:
+    instr = comp.instructions.get(todo.pop())
+    if instr is not None and instr.name not in used:
+      used.add(instr.name)
+      todo.extend(instr.operands)
+  live = []
+  for instr in comp.instructions.values():
+    if instr.name in used and instr.opcode == "call":
+      callee = re.search(r"to_apply=%?([\w.\-]+)", instr.line)
+      live.extend(_live(callee.group(1), comps) if callee and callee.group(1) in comps
+                  else [instr])
+    elif instr.name in used:
+      live.append(instr)
+  return live
+
+
+def _expensive(branches: list[str], comps: dict[str, _Computation],
+               memo: dict[str, tuple[bool, str]]) -> tuple[bool, str] | None:
+  for i, branch in enumerate(branches):
+    for instr in _live(branch, comps):
+      if instr.opcode in _CHEAP or instr.opcode in _ELEMENTWISE:
+        continue
+      if instr.opcode == "conditional" and not _judge(instr, comps[branch], comps, memo)[0]:
+        continue  # replaced by selects first, its branches inlined: all cheap
+      if instr.opcode == "conditional":
+        return True, f"branch {i} holds {instr.name}, a conditional XLA:GPU keeps"
+      article = "an" if instr.opcode[0] in "aeiou" else "a"
+      return True, f"branch {i} holds {article} {instr.opcode} ({instr.name})"
+  return None
+
+
+def _passes_through(branches: list[str], comps: dict[str, _Computation]
+                    ) -> tuple[bool, str] | None:
+  for i, branch in enumerate(branches):
+    live = _live(branch, comps)
+    root = comps[branch].instructions.get(comps[branch].root)
+    if (all(instr.opcode in _PASS_THROUGH for instr in live) and root is not None
+        and _ARRAY.search(root.shape)):
+      return True, f"branch {i} only passes its operands through"
+  return None
+
+
+def assert_conditionals_kept(program: Any) -> None:
+  """Fails where XLA:GPU would replace a conditional by selects (both branches run).
+
+  See :func:`gpu_conditionals` for the rules.
+
+  Args:
+    program: ``jax.jit(f).lower(*args)``, or its ``.as_text(dialect="hlo")``.
+
+  Raises:
+    AssertionError: naming each such conditional, its ``op_name`` and why.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> from accum_jax.testing import assert_conditionals_kept
+    >>> def step(w, n):
+    ...   return jax.lax.cond(n % 8 == 0, lambda w: w @ w, lambda w: w, w)
+    >>> assert_conditionals_kept(jax.jit(step).lower(jnp.ones((4, 4)), 0))
+  """
+  flattened = [c for c in gpu_conditionals(program) if not c.kept]
+  if flattened:
+    raise AssertionError(
+        "XLA:GPU would replace these conditionals by selects, running both branches on "
+        "every call:\n  " + "\n  ".join(
+            f"{c.name} ({c.op_name or 'no op_name'}): {c.reason}" for c in flattened))

@@ -241,11 +241,8 @@ def test_assert_no_host_syncs_in_loops_names_a_loop_of_unknown_trip_count():
     assert_no_host_syncs_in_loops(compiled(f))
 
 
-def test_a_program_that_is_not_compiled_is_refused():
-  lowered = jax.jit(scan_sum).lower(X)
-  with pytest.raises(TypeError, match=r"call \.compile\(\) on the Lowered"):
-    host_syncs(lowered)
-  with pytest.raises(TypeError, match=r"\.lower\(\*args\)\.compile\(\)"):
+def test_a_program_that_is_not_lowered_is_refused():
+  with pytest.raises(TypeError, match=r"pass f\.lower\(\*args\) or f\.lower\(\*args\)\.compile"):
     host_syncs(jax.jit(scan_sum))
   with pytest.raises(TypeError, match="int"):
     host_syncs(3)
@@ -263,3 +260,31 @@ def test_value_and_grad_waits_for_the_host_once_per_step_and_never_in_its_loops(
   syncs = host_syncs(program)
   assert [loop.trip_count for loop in syncs.loops if not loop.in_branch] == [4]
   assert syncs.per_run == 1  # the non-finite recheck's one conditional, after the loop
+
+
+def test_a_lowered_program_says_which_conditionals_xla_gpu_replaces_by_selects():
+  def scan_of(branch):
+    def f(x, n):
+      body = lambda c, xi: (lax.cond(xi.sum() > n, branch, jnp.cos, c), None)  # noqa: E731
+      return lax.scan(body, x, jnp.stack([x, x, x]))[0]
+
+    return jax.jit(f).lower(jnp.ones((4, 4)), jnp.int32(3))
+
+  cheap = host_syncs(scan_of(jnp.sin))
+  (c,) = cheap.conditionals
+  assert c.gpu_kept is False and c.in_loop and c.runs == 3
+  assert c.op_name.endswith("/cond")
+  assert cheap.in_loops == () and cheap.per_run == 0 and cheap.both_branches == (c,)
+  assert "never: both branches run" in str(cheap)
+  assert_no_host_syncs_in_loops(scan_of(jnp.sin))
+
+  kept = host_syncs(scan_of(lambda x: x @ x))
+  (c,) = kept.conditionals
+  assert c.gpu_kept is True and kept.in_loops == (c,) and kept.per_run == 3
+  assert kept.both_branches == () and "3 times a run" in str(kept)
+  with pytest.raises(AssertionError, match="inside a loop"):
+    assert_no_host_syncs_in_loops(scan_of(lambda x: x @ x))
+
+  # From the compiled program alone, no one can say.
+  compiled_only = host_syncs(scan_of(jnp.sin).compile())
+  assert compiled_only.conditionals[0].gpu_kept is None and compiled_only.per_run == 3
