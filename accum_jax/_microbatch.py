@@ -62,7 +62,14 @@ class _Shapes(NamedTuple):
   @property
   def kinds(self) -> tuple[str, ...] | None:
     """Per leaf of the accumulator's ``(value, grads)``, as ``_core`` takes them."""
-    return None if self.grad_kinds is None else ("mean", *self.grad_kinds)
+    return None if self.grad_kinds is None else (self.value_kind, *self.grad_kinds)
+
+  @property
+  def value_kind(self) -> str:
+    """"sum" when every gradient leaf sums (a summed loss, ``grad_reduction="sum"``):
+    the value is then the batch's sum, as the gradient is; else "mean"."""
+    sums = [k for k in self.grad_kinds or () if not _core.is_statistic(k)]
+    return "sum" if sums and all(k == "sum" for k in sums) else "mean"
 
 
 def _describe(x: Any) -> str:
@@ -93,6 +100,15 @@ def _check_state(new: Any, old: Any, argnum: int) -> None:
           f" dtype {jnp.result_type(a)}, but the state passed in has shape {jnp.shape(b)}"
           f" and dtype {jnp.result_type(b)}.{fix}"
       )
+
+
+def _arrays(aux: Any) -> Any:
+  """``aux`` with its Python numbers as JAX arrays of their weak dtype (a metric
+  such as ``steps=1`` or ``moe_lb_loss=0.0``, which ``jax.value_and_grad``
+  takes), so that every reduction sees an array."""
+  return jax.tree.map(
+      lambda x: jnp.asarray(x) if isinstance(x, (bool, int, float, complex)) else x, aux
+  )
 
 
 def _checked(fun: Callable[..., Any], options: _options.Options) -> Callable[..., Any]:
@@ -130,7 +146,7 @@ def _checked(fun: Callable[..., Any], options: _options.Options) -> Callable[...
         )
       new_state, aux = aux
       _check_state(new_state, args[options.state_argnums[0]], options.state_argnums[0])
-    return value, (new_state, aux)
+    return value, (new_state, _arrays(aux))
 
   def scaled(share, *args, **kwargs):
     # The microbatch's share of the batch's weight scales the loss before
@@ -421,6 +437,10 @@ def _judged(dev: _Device, out: _Out, acc, weight, known_bad, judge: bool):
   grads = _sharding.scatter(dev.plan, grads, acc.total[1])
   loss_ok = _by_loss(options, out, weight, known_bad)
   finite = _core.all_finite(grads) if judge else jnp.array(True)
+  if weight is not None:
+    # Padding is never judged: its gradient is left out whatever it holds, and a
+    # local leaf's is not zeroed above (only a scattered one's is).
+    finite = finite | ~counts
   loss_ok, finite = _agreed(dev, loss_ok, finite)
   admission = _core.admit(None, weight, skip_nonfinite=False, accept=loss_ok)
   # Selects, which XLA fuses into the additions: a shard reduced per microbatch
@@ -543,7 +563,8 @@ def _finalise(sums: _sharding.LocalSums, shapes: _Shapes, options, call) -> Any:
   """Normalises the sums into what ``jax.value_and_grad`` returns."""
   acc = sums.acc
   value, grads = _core.share_result(
-      acc, (shapes.value, shapes.grads), sums.batch_weight, shapes.kinds
+      acc, (shapes.value, _returned(shapes.grads, options.gradient_dtype)), sums.batch_weight,
+      shapes.kinds,
   )
   # Every microbatch skipped: NaN, as on the whole batch, rather than a loss of
   # 0 that hides it (accumulate, apply_if_finite... then skip the step too).
@@ -565,6 +586,17 @@ def _finalise(sums: _sharding.LocalSums, shapes: _Shapes, options, call) -> Any:
   if options.return_info:
     return out, grads, MicrobatchInfo(acc.num_skipped, acc.weight, _noise_estimate(sums, shapes))
   return out, grads
+
+
+def _returned(grads: Any, gradient_dtype: Any) -> Any:
+  """The gradient's leaves as they are returned: in ``gradient_dtype`` where it is
+  given (real floating leaves; complex ones keep their own), else as the parameters."""
+  if gradient_dtype is None:
+    return grads
+  return jax.tree.map(
+      lambda x: _abstract(x, gradient_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+      grads,
+  )
 
 
 def _noise_estimate(sums: _sharding.LocalSums, shapes: _Shapes) -> _noise.GradientNoise | None:
@@ -608,6 +640,7 @@ def value_and_grad(
     reduce_dtype: Any = None,
     return_info: bool = False,
     gradient_noise: bool = False,
+    gradient_dtype: Any = None,
 ) -> Callable[..., Any]:
   """``jax.value_and_grad`` over a batch split into microbatches.
 
@@ -635,11 +668,15 @@ def value_and_grad(
       ``(value, (new_state, aux))`` with ``has_aux=True``.
     aux_reduction: ``"mean"``, ``"sum"``, ``"max"``, ``"last"``, ``"concat"``
       (per-example, in batch order) or ``"stack"`` (per microbatch), or a
-      pytree prefix of the aux with those (or None) at its leaves. None
-      (default): concatenate the leaves with a leading axis of the
-      microbatch's rows, average the others.
+      pytree prefix of the aux with those (or None) at its leaves; a dict in
+      it may name only some of the aux dict's keys, the others take the
+      default. None (default): concatenate the leaves with a leading axis of
+      the microbatch's rows, average the others. Python numbers in the aux
+      (``{"steps": 1}``) come back as JAX arrays of their weak dtype.
     grad_reduction: how gradient leaves combine over the microbatches:
-      ``"mean"`` (the weighted mean), ``"sum"`` (the weighted sum), ``"max"``
+      ``"mean"`` (the weighted mean), ``"sum"`` (the weighted sum; when every
+      gradient leaf sums, the value is the weighted sum of the microbatches'
+      losses too, the batch's sum for a summed loss), ``"max"``
       or ``"last"`` (the largest, or the last kept microbatch's, value as the
       gradient function returned it: statistics, not gradients); a pytree
       prefix of the gradient with those (or None) at its leaves; or a
@@ -679,6 +716,10 @@ def value_and_grad(
     return_info: also return a :class:`MicrobatchInfo`.
     gradient_noise: estimate the gradient noise from the microbatches, as
       ``info.gradient_noise``. Needs ``return_info``.
+    gradient_dtype: the dtype the gradient's floating leaves are returned in
+      (e.g. ``jnp.float32`` for bfloat16 parameters, so that the optimizer sees
+      the accumulator's unrounded mean, as T5X gives it); None (default): each
+      leaf in its parameter's dtype. Complex leaves keep their own.
 
   Returns:
     A function with ``fun``'s signature returning what ``jax.value_and_grad``
@@ -708,7 +749,7 @@ def value_and_grad(
       accumulator_dtype=accumulator_dtype, skip_nonfinite=skip_nonfinite, mesh=mesh,
       data_axis=data_axis, param_sharding=param_sharding, gather=gather,
       gather_dtype=gather_dtype, reduce_dtype=reduce_dtype, return_info=return_info,
-      gradient_noise=gradient_noise,
+      gradient_noise=gradient_noise, gradient_dtype=gradient_dtype,
   )
   grad_fun = _checked(fun, options)
 

@@ -57,6 +57,7 @@ class Options(NamedTuple):
   reduce_dtype: Any
   return_info: bool
   gradient_noise: bool
+  gradient_dtype: Any = None  # None: each gradient leaf in its parameter's dtype
 
   @property
   def data_parallel(self) -> bool:
@@ -148,6 +149,7 @@ def make(
     reduce_dtype: Any = None,
     return_info: bool = False,
     gradient_noise: bool = False,
+    gradient_dtype: Any = None,
 ) -> Options:
   """Checks the options of ``value_and_grad``; raises a ValueError naming the bad one."""
   if (n := _core.positive_int(num_microbatches)) is None:
@@ -182,14 +184,15 @@ def make(
       gather_dtype=_transport_dtype(gather_dtype, "gather_dtype"),
       reduce_dtype=_transport_dtype(reduce_dtype, "reduce_dtype"),
       return_info=return_info, gradient_noise=bool(gradient_noise),
+      gradient_dtype=_gradient_dtype(gradient_dtype),
   )
   _check_roles(options.roles())
   _check_choices(options)
   return options
 
 
-def _transport_dtype(dtype: Any, name: str) -> Any:
-  """``gather_dtype`` / ``reduce_dtype``: None or a floating dtype."""
+def _floating_dtype(dtype: Any, name: str, fix: str) -> Any:
+  """``dtype`` checked as None or a real floating dtype; ValueError naming ``name``."""
   if dtype is None:
     return None
   try:
@@ -197,11 +200,26 @@ def _transport_dtype(dtype: Any, name: str) -> Any:
   except TypeError:
     checked = None
   if checked is None or not jnp.issubdtype(checked, jnp.floating):
-    raise ValueError(
-        f"{name}={dtype!r} is not a floating dtype. Pass e.g. jnp.bfloat16 to halve the"
-        " bytes that cross devices, or None to keep the parameters' own."
-    )
+    raise ValueError(f"{name}={dtype!r} is not a floating dtype. {fix}")
   return checked
+
+
+def _transport_dtype(dtype: Any, name: str) -> Any:
+  """``gather_dtype`` / ``reduce_dtype``: None or a floating dtype."""
+  return _floating_dtype(
+      dtype, name,
+      "Pass e.g. jnp.bfloat16 to halve the bytes that cross devices, or None to keep the"
+      " parameters' own.",
+  )
+
+
+def _gradient_dtype(dtype: Any) -> Any:
+  """``gradient_dtype``: None or a real floating dtype."""
+  return _floating_dtype(
+      dtype, "gradient_dtype",
+      "Pass e.g. jnp.float32 to return the gradient of bfloat16 parameters unrounded, or"
+      " None (the default) to return each gradient leaf in its parameter's dtype.",
+  )
 
 
 def _check_sharding_options(options: Options) -> None:
@@ -454,6 +472,7 @@ def _find_batch(options: Options, args: tuple[Any, ...]) -> tuple[int, ...]:
   found = tuple(
       i for i, arg in enumerate(args) if i not in taken and looks_like_batch(arg)
   )
+  check_unambiguous(found, args)
   if not found:
     roles = {name: nums for name, nums in options.roles().items() if nums}
     others = " and ".join(f"{name}={nums}" for name, nums in roles.items())
@@ -464,6 +483,30 @@ def _find_batch(options: Options, args: tuple[Any, ...]) -> tuple[int, ...]:
         " with batch_argnums=."
     )
   return found
+
+
+def check_unambiguous(found: tuple[int, ...], args: Sequence[Any], fix: str = "") -> None:
+  """ValueError where ``batch_argnums=None`` cannot tell which arguments are the batch.
+
+  The rule: bare arrays with a leading axis (``loss(params, x, y)``) are all
+  batch data and split; an argument that holds the batch as a pytree of arrays
+  (``loss(params, batch)``) says where the batch is, so any other argument that
+  looks like a batch beside it (per-class weights of the batch's length) is
+  refused rather than split or kept by a guess.
+  """
+  containers = [n for n in found if not is_array(args[n])]
+  if len(found) < 2 or not containers:
+    return
+  others = [n for n in found if n != containers[0]]
+  sizes = sorted({jnp.shape(x)[0] for n in found for x in jax.tree.leaves(args[n])})
+  raise ValueError(
+      f"batch_argnums=None finds arguments {list(found)} that could each be the batch:"
+      f" argument {containers[0]} holds a pytree of arrays and argument(s) {others} too"
+      f" have leading axes (of sizes {sizes}), and which of them are batch data cannot be"
+      f" told from their shapes. Name the batch: batch_argnums={containers[0]} to split"
+      f" it alone (e.g. when argument {others[0]} holds per-class weights), or"
+      f" batch_argnums={tuple(found)} to split them all.{fix}"
+  )
 
 
 _TAKEN_AS = {"rng_argnums": "a PRNG key", "state_argnums": "the threaded state"}
@@ -548,7 +591,7 @@ def _aux_reductions(aux: Any, spec: Any, rows: int) -> tuple[str, ...]:
   default a leaf with a leading axis of the microbatch's rows is per-example
   (concatenated); any other is averaged."""
   reductions = []
-  given = per_leaf_spec(spec, aux, "aux_reduction", "the aux")
+  given = per_leaf_spec(_completed(spec, aux), aux, "aux_reduction", "the aux")
   for (path, leaf), (requested, _) in zip(jax.tree.leaves_with_path(aux), given):
     per_example = len(leaf.shape) >= 1 and leaf.shape[0] == rows
     if requested == "concat" and not per_example:
@@ -560,6 +603,25 @@ def _aux_reductions(aux: Any, spec: Any, rows: int) -> tuple[str, ...]:
       )
     reductions.append(requested or ("concat" if per_example else "mean"))
   return tuple(reductions)
+
+
+def _completed(spec: Any, tree: Any, where: str = "") -> Any:
+  """``spec`` with None (the default) for each key of a dict in ``tree`` that the
+  dict at the same place in ``spec`` leaves out: a mapping may name some keys of
+  a large aux (MaxText's has ten) and leave the rest at the default. A key that
+  ``tree`` does not have is refused, so that a misspelt one is not ignored."""
+  if isinstance(spec, dict) and isinstance(tree, dict):
+    if unknown := sorted(set(spec) - set(tree), key=str):
+      raise ValueError(
+          f"aux_reduction names {unknown[0]!r}{f' at {where}' if where else ''}, which the"
+          f" aux does not have (its keys there: {sorted(tree, key=str)}). Name keys of the"
+          " aux; those left out take the default."
+      )
+    return {k: _completed(spec.get(k), v, f"{where}[{k!r}]") for k, v in tree.items()}
+  if isinstance(spec, (tuple, list)) and type(spec) is type(tree) and len(spec) == len(tree):
+    return type(spec)(_completed(s, t, f"{where}[{i}]")
+                      for i, (s, t) in enumerate(zip(spec, tree)))
+  return spec
 
 
 def _check_float16(options: Options, jaxpr: Any) -> None:

@@ -136,6 +136,7 @@ def _roles(
     batch_nums = tuple(
         i for i in range(1, len(args)) if i not in skip and _is_batch(args[i], *parts[i])
     )
+    _options.check_unambiguous(batch_nums, args)
     if not batch_nums:
       raise ValueError(
           f"None of the {len(args) - 1} argument(s) after the model is a batch: a batch"

@@ -158,6 +158,13 @@ TRIGGERS: dict[str, Callable[[], object]] = {
     "the new state's tree differs from the state passed in": lambda: accum_jax.value_and_grad(
         lambda w, s, b: (_loss(w, b), ({"s": s}, ())), 2, has_aux=True, state_argnums=1)(
             W, jnp.zeros(2), jnp.ones((4, 3))),
+    "`batch_argnums=None` (the default), a batch pytree and another argument of leading axes": (
+        lambda: accum_jax.value_and_grad(lambda w, b, c: _loss(w, b["x"]) * c.sum(), 2)(
+            W, {"x": jnp.ones((4, 3))}, jnp.ones(4))),
+    "an `aux_reduction` mapping names a key the aux does not have": lambda: (
+        accum_jax.value_and_grad(lambda w, b: (_loss(w, b), {"total": 0.0}), 2, has_aux=True,
+                                 aux_reduction={"totl": "sum"})(W, jnp.ones((4, 3)))),
+    "`gradient_dtype` is not a floating dtype": lambda: _vg(gradient_dtype=jnp.int32),
     "`aux_reduction='concat'` and an aux leaf has no leading axis of the microbatch's rows": (
         lambda: accum_jax.value_and_grad(
             lambda w, b: (_loss(w, b), jnp.ones(3)), 2, has_aux=True, aux_reduction="concat"
