@@ -60,7 +60,7 @@ RULES = [
   ("reductions count as cheap (Adafactor-like)", cond(adafactor_like), False,
    "all instructions cheap", "reduce("),
   ("a cheap closed call is inlined", cond(double), False, "all instructions cheap", "call("),
-  ("a cheap named call is inlined", cond(halve), False, "all instructions cheap", "divide("),
+  ("a cheap named call", cond(halve), False, "all instructions cheap", "divide("),
   ("a dot", cond(lambda x: x @ x), True, r"branch 1 holds a dot \(dot", "dot("),
   ("a transpose", cond(lambda x: x.T + 1.0), True, "branch 1 holds a transpose", "transpose("),
   ("an iota", cond(lambda x: x * jnp.arange(4.0)), True, "branch 1 holds an iota", "iota("),
