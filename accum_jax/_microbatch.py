@@ -11,10 +11,14 @@
   return _finalise(sums, ...)                     # normalise, cast, reduce aux
 
 The loop is a ``lax.scan``: XLA knows its trip count, and nothing inside it makes
-a GPU wait on the host. It judges each microbatch by its loss alone; a gradient
-that is NaN under a finite loss shows in the sums, and only then, under one
-conditional after the loop, does a recheck find which microbatches' gradients are
-not finite and redo the sums without them. Finite data costs one pass.
+a GPU wait on the host. By default (``skip_nonfinite="step"``) it adds every
+microbatch as the hand-written scan does (only a weight, for padding, selects),
+records whether each loss is finite, and one check of the sums after the loop
+zeroes the gradient of a step that is not finite: no conditional, one body.
+With ``skip_nonfinite="microbatch"`` it judges each microbatch by its loss; a
+gradient that is NaN under a finite loss shows in the sums, and only then, under
+one conditional after the loop, does a recheck find which microbatches'
+gradients are not finite and redo the sums without them.
 """
 
 from __future__ import annotations
@@ -35,19 +39,33 @@ class MicrobatchInfo(NamedTuple):
   """What happened to the microbatches of one call (``return_info=True``).
 
   Attributes:
-    num_skipped: microbatches skipped because their loss or gradient was not
-      finite (or their weight negative); shape=(), dtype=int32. With dynamic
-      loss scaling, a non-zero count is an overflow the scaler must see.
+    num_skipped: microbatches left out; shape=(), dtype=int32. Those of a
+      negative or non-finite weight, and: with ``skip_nonfinite="step"`` (the
+      default), every microbatch of the call (``num_microbatches`` times the
+      devices of the data axes) when the step is skipped; with
+      ``"microbatch"``, those whose loss or gradient was not finite. With
+      dynamic loss scaling, a non-zero count is an overflow the scaler must see.
     total_weight: the sum of the kept microbatches' weights (their number when
-      there is no ``weight_fn``); shape=(), dtype=float32.
+      there is no ``weight_fn``); 0 when the step is skipped; shape=(),
+      dtype=float32.
     gradient_noise: with ``gradient_noise=True``, the :class:`GradientNoise`
       estimated from the microbatches' gradients (per unit of weight; per
       example without ``weight_fn``); else None.
+    step_skipped: whether the gradient was zeroed because the step's summed
+      loss or gradient was not finite (``"step"``), or because no microbatch was
+      kept (``"microbatch"``); shape=(), dtype=bool. False with
+      ``skip_nonfinite=False``.
+    loss_finite: with ``skip_nonfinite="step"``, whether each microbatch's loss
+      was finite (zero-weight padding counts as finite); shape
+      (num_microbatches,), or (devices x num_microbatches,) in device order
+      under a mesh; dtype=bool. Else None.
   """
 
   num_skipped: jax.Array
   total_weight: jax.Array
   gradient_noise: _noise.GradientNoise | None = None
+  step_skipped: jax.Array | None = None
+  loss_finite: jax.Array | None = None
 
 
 class _Shapes(NamedTuple):
@@ -334,12 +352,13 @@ def _local_sums(grad_fun, options, call, shapes, args, shard_index, *, kwargs):
                 _batch_weight(weights, options, plan), gathered)
   start = _initial_carry(dev, params if gathered is None else gathered)
   xs = (jnp.arange(options.num_microbatches), batch, weights)
-  (acc, aux_sums, state, noise), stacked = _passes(dev, start, xs)
+  (acc, aux_sums, state, noise), stacked, loss_finite = _passes(dev, start, xs)
   per_example = [
       _batching.unsplit(x, options.split) if r == "concat" else x
       for x, r in zip(stacked, shapes.reductions)
   ]
-  return _sharding.LocalSums(acc, aux_sums, state, per_example, noise, dev.batch_weight)
+  return _sharding.LocalSums(acc, aux_sums, state, per_example, noise, dev.batch_weight,
+                             loss_finite)
 
 
 def _initial_carry(dev: _Device, params: Any) -> tuple[Any, ...]:
@@ -386,13 +405,21 @@ def _step(dev: _Device, carry, xs, *, judge: bool):
   """One microbatch into the sums: its loss scaled by its share of the batch,
   reduced across devices where the plan says so, added where it is kept.
 
-  Also returns whether its gradient is finite, when ``judge`` (else True).
+  Also returns, with ``skip_nonfinite="microbatch"``, whether its gradient is
+  finite when ``judge`` (else True); otherwise whether its loss is finite.
   """
   acc, aux_sums, state, noise = carry
   index, mb, weight, known_bad = xs
   share = (1.0 if weight is None else weight) / dev.batch_weight
   out = _one_microbatch(dev, index, mb, state, share, _params_seen(dev))
-  grads, admission, finite = _judged(dev, out, acc, weight, known_bad, judge)
+  if dev.options.skip_nonfinite and not dev.options.skip_step:
+    grads, admission, finite = _judged(dev, out, acc, weight, known_bad, judge)
+    state_kept = admission.keep & finite
+  else:
+    grads, admission = _unjudged(dev, out, acc, weight)
+    # Recorded, not acted on: a scalar per microbatch, for info.loss_finite.
+    finite = jnp.isfinite(out.raw_value) | ~admission.keep
+    state_kept = admission.keep
   kept = admission.keep
   if dev.options.gradient_noise:  # without weight_fn, a microbatch weighs its rows
     size = dev.call.rows if weight is None else weight
@@ -405,7 +432,7 @@ def _step(dev: _Device, carry, xs, *, judge: bool):
     # The state goes on as the final pass will have it: without the microbatches
     # whose gradient is not finite (a select of a small state, which holds no
     # gradient back).
-    state = jax.tree.map(lambda new, old: jnp.where(kept & finite, new, old), out.state, state)
+    state = jax.tree.map(lambda new, old: jnp.where(state_kept, new, old), out.state, state)
   return (acc, aux_sums, state, noise), per_example, finite
 
 
@@ -414,6 +441,26 @@ def _params_seen(dev: _Device) -> Any:
   if dev.gathered is not None:
     return dev.gathered
   return _sharding.gather(dev.plan, _options.diff_args(dev.options, dev.args))
+
+
+def _unjudged(dev: _Device, out: _Out, acc, weight):
+  """A microbatch's gradient reduced as the plan says, added as it is (the
+  whole step is judged after the loop, or nothing is): the hand-written scan's
+  add, which XLA fuses into the gradient's last product.
+
+  Only a weight masks it: a zero-weight (padding) microbatch must add nothing
+  even where its gradient is NaN, so with a ``weight_fn`` each leaf is selected
+  by the weight, a scalar known before the gradient. Without one, no select.
+  """
+  admission = _core.admit(None, weight, skip_nonfinite=False)
+  grads = out.grads
+  if weight is not None:
+    counts = jnp.isfinite(weight) & (weight > 0)
+    grads = _sharding.map_scattered(
+        dev.plan, grads, lambda g: _core.masked(g, counts),
+        lambda g: _core.masked(g, admission.keep),
+    )
+  return _sharding.scatter(dev.plan, grads, acc.total[1]), admission
 
 
 def _judged(dev: _Device, out: _Out, acc, weight, known_bad, judge: bool):
@@ -507,7 +554,12 @@ def _emptied(carry, dev: _Device):
 
 
 def _passes(dev: _Device, start, xs):
-  """The microbatches in one pass; two more only where its sums are not finite.
+  """The microbatches in one pass; with ``skip_nonfinite="microbatch"``, two more
+  only where its sums are not finite. Returns the carry, the stacked per-example
+  leaves and, with ``"step"``, whether each microbatch's loss is finite.
+
+  With ``"step"`` (the default) and False, one pass that adds every microbatch
+  as it is; the step is judged after the loop (:func:`_finalise`).
 
   The first pass judges each microbatch by its loss alone: a scalar, known
   before the gradient, so no leaf of the gradient waits for the others and
@@ -520,9 +572,11 @@ def _passes(dev: _Device, start, xs):
   """
   n = dev.options.num_microbatches
   none_bad = jnp.zeros((n,), bool)
-  carry, stacked, _ = _pass(dev, start, xs, none_bad, judge=False)
+  carry, stacked, loss_finite = _pass(dev, start, xs, none_bad, judge=False)
+  if dev.options.skip_step:
+    return carry, stacked, loss_finite
   if not dev.options.skip_nonfinite:
-    return carry, stacked
+    return carry, stacked, None
 
   def recheck(found):
     def again(_, loop):
@@ -532,9 +586,10 @@ def _passes(dev: _Device, start, xs):
 
     return jax.lax.fori_loop(0, 2, again, (none_bad, found))[1]
 
-  return jax.lax.cond(
+  carry, stacked = jax.lax.cond(
       _sums_not_finite(dev, carry[0]), recheck, lambda found: found, (carry, stacked)
   )
+  return carry, stacked, None
 
 
 def _drop_padding(x: jax.Array, call: _options.Call) -> jax.Array:
@@ -559,7 +614,7 @@ def _aux_result(total, per_example, like, reduction, weight, call) -> jax.Array:
   return total.astype(like.dtype) if jnp.issubdtype(like.dtype, jnp.inexact) else total
 
 
-def _finalise(sums: _sharding.LocalSums, shapes: _Shapes, options, call) -> Any:
+def _finalise(sums: _sharding.LocalSums, shapes: _Shapes, options, call, args) -> Any:
   """Normalises the sums into what ``jax.value_and_grad`` returns."""
   acc = sums.acc
   value, grads = _core.share_result(
@@ -574,6 +629,15 @@ def _finalise(sums: _sharding.LocalSums, shapes: _Shapes, options, call) -> Any:
       else x,
       (value, grads),
   )
+  state, skip = sums.state, _StepSkip(nothing_kept, acc.num_skipped, acc.weight)
+  if options.skip_step:
+    skip = _whole_step(acc)
+    grads = jax.tree.map(lambda g: jnp.where(skip.skipped, jnp.zeros((), g.dtype), g), grads)
+    if options.state_argnums:
+      old = args[options.state_argnums[0]]
+      state = jax.tree.map(lambda new, old: jnp.where(skip.skipped, old, new), state, old)
+  elif not options.skip_nonfinite:
+    skip = skip._replace(skipped=jnp.array(False))
   aux = jax.tree.unflatten(jax.tree.structure(shapes.aux), [
       _aux_result(total, per_example, like, r, acc.weight, call)
       for total, per_example, like, r in zip(
@@ -581,11 +645,34 @@ def _finalise(sums: _sharding.LocalSums, shapes: _Shapes, options, call) -> Any:
       )
   ])
   if options.state_argnums:
-    aux = (sums.state, aux)
+    aux = (state, aux)
   out = (value, aux) if options.has_aux else value
   if options.return_info:
-    return out, grads, MicrobatchInfo(acc.num_skipped, acc.weight, _noise_estimate(sums, shapes))
+    return out, grads, MicrobatchInfo(
+        skip.num_skipped, skip.total_weight, _noise_estimate(sums, shapes), skip.skipped,
+        sums.loss_finite,
+    )
   return out, grads
+
+
+class _StepSkip(NamedTuple):
+  """What :class:`MicrobatchInfo` says about skipping."""
+
+  skipped: jax.Array
+  num_skipped: jax.Array
+  total_weight: jax.Array
+
+
+def _whole_step(acc: _core.Accumulator) -> _StepSkip:
+  """``skip_nonfinite="step"``: one check of the summed loss and gradient after the
+  loop (the sums are the whole batch's, every device's), no conditional. A step
+  that is skipped leaves out every microbatch of the call."""
+  skipped = ~_core.all_finite(acc.total)
+  return _StepSkip(
+      skipped,
+      jnp.where(skipped, acc.count + acc.num_skipped, acc.num_skipped),
+      jnp.where(skipped, 0.0, acc.weight),
+  )
 
 
 def _returned(grads: Any, gradient_dtype: Any) -> Any:
@@ -631,7 +718,7 @@ def value_and_grad(
     split: Split = "contiguous",
     pad_batch: bool = False,
     accumulator_dtype: Any = jnp.float32,
-    skip_nonfinite: bool | None = None,
+    skip_nonfinite: bool | str | None = None,
     mesh: jax.sharding.Mesh | None = None,
     data_axis: str | Sequence[str] | None = None,
     param_sharding: Any = None,
@@ -690,9 +777,19 @@ def value_and_grad(
       raising; needs a ``weight_fn`` that gives them zero weight.
     accumulator_dtype: the dtype of the running sums (float32 by default; None
       for the gradients' own). Results are cast back.
-    skip_nonfinite: skip, and count, a microbatch whose loss or gradient is
-      not finite. None (default) means True, but must be given when a dynamic
-      loss scale is among the arguments or ``fun`` computes in float16.
+    skip_nonfinite: what non-finite data does. ``"step"`` (the default, also
+      True): every microbatch is added as it is, and when the summed loss or
+      gradient is not finite the gradient comes back zero (as
+      ``optax.apply_if_finite`` would skip the update), the loss and aux as
+      they were, ``info.step_skipped`` True and ``info.loss_finite`` saying
+      which microbatches' losses were not finite; one check after the loop,
+      no conditional. ``"microbatch"``: only the microbatches whose loss or
+      gradient is not finite are left out and counted, the rest give the
+      exact mean (a second pass, under one conditional, when the sums are not
+      finite). False: everything is added, NaN and all. Zero-weight padding
+      never adds anything in any mode. None (default) means ``"step"``, but
+      must be given when a dynamic loss scale is among the arguments or
+      ``fun`` computes in float16.
     mesh: a ``jax.sharding.Mesh`` to run on: each device loops over its rows
       of the batch, and each gradient leaf is reduced as its parameter's
       sharding says (replicated: once per call; sharded over the data axis:
@@ -770,7 +867,7 @@ def value_and_grad(
           local_sums, args, batch_argnums=call.batch_argnums, param_argnums=options.argnums,
           plan=call.plan, grad_kinds=shapes.grad_kinds, aux_kinds=shapes.reductions,
       )
-    return _finalise(sums, shapes, options, call)
+    return _finalise(sums, shapes, options, call, args)
 
   return wrapped
 

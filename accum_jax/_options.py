@@ -47,7 +47,7 @@ class Options(NamedTuple):
   split: _batching.Split
   pad_batch: bool
   accumulator_dtype: Any
-  skip_nonfinite: bool
+  skip_nonfinite: bool  # non-finite data is skipped, one way or the other
   skip_nonfinite_given: bool  # False when skip_nonfinite is the default
   mesh: Any
   data_axis: Any  # str, tuple of str, or None
@@ -58,6 +58,7 @@ class Options(NamedTuple):
   return_info: bool
   gradient_noise: bool
   gradient_dtype: Any = None  # None: each gradient leaf in its parameter's dtype
+  skip_step: bool = False  # skip_nonfinite="step": one check after the loop, no recheck
 
   @property
   def data_parallel(self) -> bool:
@@ -140,7 +141,7 @@ def make(
     split: _batching.Split = "contiguous",
     pad_batch: bool = False,
     accumulator_dtype: Any = jnp.float32,
-    skip_nonfinite: bool | None = None,
+    skip_nonfinite: bool | str | None = None,
     mesh: Any = None,
     data_axis: Any = None,
     param_sharding: Any = None,
@@ -178,7 +179,8 @@ def make(
       state_argnums=state, has_aux=has_aux, weight_fn=weight_fn, aux_reduction=aux_reduction,
       grad_reduction=grad_reduction, split=split, pad_batch=pad_batch,
       accumulator_dtype=_core.canonicalize_accumulator_dtype(accumulator_dtype),
-      skip_nonfinite=skip_nonfinite is None or bool(skip_nonfinite),
+      skip_nonfinite=_skip_mode(skip_nonfinite) is not False,
+      skip_step=_skip_mode(skip_nonfinite) == "step",
       skip_nonfinite_given=skip_nonfinite is not None, mesh=mesh, data_axis=data_axis,
       param_sharding=param_sharding, gather=gather,
       gather_dtype=_transport_dtype(gather_dtype, "gather_dtype"),
@@ -189,6 +191,25 @@ def make(
   _check_roles(options.roles())
   _check_choices(options)
   return options
+
+
+SKIP_MODES: tuple[str, ...] = ("step", "microbatch")
+DEFAULT_SKIP = "step"
+
+
+def _skip_mode(skip_nonfinite: Any) -> str | bool:
+  """``skip_nonfinite`` as "step", "microbatch" or False (None and True: the default)."""
+  if skip_nonfinite is None or skip_nonfinite is True:
+    return DEFAULT_SKIP
+  if skip_nonfinite is False or skip_nonfinite in SKIP_MODES:
+    return skip_nonfinite
+  raise ValueError(
+      f"skip_nonfinite={skip_nonfinite!r} is not one of True, False, 'step' or"
+      " 'microbatch': 'step' (the default, also True) zeroes the gradient of a step whose"
+      " summed loss or gradient is not finite, 'microbatch' leaves out only the"
+      " microbatches that are not finite (a second pass over them when there are any),"
+      " False adds everything as it is."
+  )
 
 
 def _floating_dtype(dtype: Any, name: str, fix: str) -> Any:

@@ -484,6 +484,9 @@ class LocalSums(NamedTuple):
     noise: the sums of the gradient-noise estimate, an ``_noise.NoiseSums``, or
       None without ``gradient_noise``.
     batch_weight: the weight of the whole batch (every device's), float32.
+    loss_finite: with ``skip_nonfinite="step"``, whether each microbatch's loss
+      is finite (padding counts as finite), shape (N,), in device order under a
+      mesh; else None.
   """
 
   acc: Any
@@ -492,6 +495,7 @@ class LocalSums(NamedTuple):
   per_example: Any  # likewise
   noise: Any = None
   batch_weight: Any = None
+  loss_finite: Any = None  # per microbatch, whether its loss is finite (skip_nonfinite="step")
 
 
 def _psum_exact(tree: Any, axes: tuple[str, ...]) -> Any:
@@ -551,7 +555,8 @@ def reduce(
       sums.state,
   )
   acc = _core.Accumulator((value, jax.tree.unflatten(plan.treedef, grad_leaves)), *scalars)
-  return LocalSums(acc, aux_sums, state, sums.per_example, noise, sums.batch_weight)
+  return LocalSums(acc, aux_sums, state, sums.per_example, noise, sums.batch_weight,
+                   sums.loss_finite)
 
 
 def _is_dynamic(x: Any) -> bool:
@@ -644,7 +649,7 @@ def run(
   out_specs = LocalSums(
       acc=_core.Accumulator((P(), grads), *(P(),) * 3),  # type: ignore[arg-type]
       aux_sums=P(), state=P(),
-      per_example=P(plan.axes), noise=P(), batch_weight=P(),
+      per_example=P(plan.axes), noise=P(), batch_weight=P(), loss_finite=P(plan.axes),
   )
   return map_devices(
       lambda args, shard_index: reduce(plan, local_sums(args, shard_index), grad_kinds, aux_kinds),

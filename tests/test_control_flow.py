@@ -3,9 +3,11 @@
 On XLA:GPU a ``while`` loop whose trip count XLA cannot prove copies its
 predicate to the host every iteration, and every ``conditional`` copies its
 branch index each time it runs. Each door's compiled step must loop over the
-microbatches with a known trip count and nothing of the kind inside, and run at
-most one conditional per step: the recheck of a gradient that is NaN under a
-finite loss, after the loop. ``accumulate`` runs at most one per call. Read with
+microbatches with a known trip count and nothing of the kind inside. The default
+(``skip_nonfinite="step"``) judges the step after the loop with selects and runs
+no conditional; ``skip_nonfinite="microbatch"`` runs at most one per step, the
+recheck of a gradient that is NaN under a finite loss, after the loop.
+``accumulate`` runs at most one per call. Read with
 the public :func:`accum_jax.testing.host_syncs`, on the programs XLA compiled.
 """
 
@@ -72,14 +74,14 @@ def compiled(fun, *args):
   return jax.jit(fun).lower(*args).compile()
 
 
-def check_step(program, num_microbatches: int = N) -> None:
+def check_step(program, num_microbatches: int = N, conditionals: int = 0) -> None:
   """Loops of known trip count only, nothing that waits inside them, the
-  microbatch loop among them, and at most one conditional per run."""
+  microbatch loop among them, and at most ``conditionals`` per run."""
   syncs = host_syncs(program)
   assert_no_host_syncs_in_loops(program)
   assert not syncs.unknown_trip_count, str(syncs)
   assert num_microbatches in [loop.trip_count for loop in syncs.loops], str(syncs)
-  assert syncs.per_run is not None and syncs.per_run <= 1, str(syncs)
+  assert syncs.per_run is not None and syncs.per_run <= conditionals, str(syncs)
 
 
 def weight(b):
@@ -111,13 +113,16 @@ def arguments(fun) -> tuple[Any, ...]:
   return params(), batch()
 
 
+@pytest.mark.parametrize("skip", [None, "microbatch"], ids=["default", "microbatch"])
 @pytest.mark.parametrize("name", list(OPTION_SETS))
-def test_value_and_grad_loops_with_a_known_trip_count_and_nothing_inside(name):
+def test_value_and_grad_loops_with_a_known_trip_count_and_nothing_inside(name, skip):
   fun, options = OPTION_SETS[name]
   args = arguments(fun)
   if options.get("pad_batch"):
     args = (args[0], jax.tree.map(lambda x: x[:-2], args[1]))  # 14 rows into 4
-  check_step(compiled(accum_jax.value_and_grad(fun, N, **options), *args))
+  vg = accum_jax.value_and_grad(fun, N, skip_nonfinite=skip, **options)
+  # The default judges the step after the loop with selects: no conditional.
+  check_step(compiled(vg, *args), conditionals=int(skip == "microbatch"))
 
 
 def test_without_skip_nonfinite_no_conditional_runs_at_all():

@@ -655,10 +655,11 @@ def test_bf16_mlp_gradients_match_float32_reference_to_bf16_precision():
 
 
 @pytest.mark.parametrize("bad_value", [np.nan, np.inf], ids=["nan", "inf"])
-def test_nonfinite_microbatches_are_skipped_counted_and_left_out_of_the_mean(bad_value):
+def test_with_microbatch_skips_nonfinite_ones_are_counted_and_left_out_of_the_mean(bad_value):
   params, batch = make_mlp_params(), make_batch()
   bad = dict(batch, x=with_value(batch["x"], 3, bad_value))  # row 3: microbatch 1 of 4
-  value, grads, info = microbatched(mse_loss, 4, return_info=True)(params, bad)
+  value, grads, info = microbatched(mse_loss, 4, return_info=True,
+                                    skip_nonfinite="microbatch")(params, bad)
   assert int(info.num_skipped) == 1
   assert float(info.total_weight) == 3.0
   kept = [0, 1, 4, 5, 6, 7]
@@ -670,7 +671,8 @@ def test_nonfinite_microbatches_are_skipped_counted_and_left_out_of_the_mean(bad
 def test_weighted_nonfinite_microbatches_are_left_out_of_the_weighted_mean():
   params, batch = make_mlp_params(), make_sequences()
   bad = dict(batch, y=with_value(batch["y"], (2, 0), np.nan))  # a valid token of microbatch 1
-  vg = microbatched(sequence_loss, 4, weight_fn=num_tokens, return_info=True)
+  vg = microbatched(sequence_loss, 4, weight_fn=num_tokens, return_info=True,
+                    skip_nonfinite="microbatch")
   value, grads, info = vg(params, bad)
   kept = [0, 1, 4, 5, 6, 7]
   expected_value, expected_grads = reference(sequence_loss)(params, take_rows(batch, kept))
@@ -680,10 +682,11 @@ def test_weighted_nonfinite_microbatches_are_left_out_of_the_weighted_mean():
   tree_allclose(grads, expected_grads)
 
 
-def test_when_every_microbatch_is_skipped_the_loss_and_gradients_are_nan():
+def test_with_microbatch_skips_when_every_one_is_skipped_the_loss_and_gradients_are_nan():
   params, batch = make_mlp_params(), make_batch()
   batch["x"] = np.full_like(batch["x"], np.nan)
-  value, grads, info = microbatched(mse_loss, 4, return_info=True)(params, batch)
+  value, grads, info = microbatched(mse_loss, 4, return_info=True,
+                                    skip_nonfinite="microbatch")(params, batch)
   assert np.isnan(value) and all(np.isnan(g).all() for g in jax.tree.leaves(grads))
   assert int(info.num_skipped) == 4 and float(info.total_weight) == 0.0
   # So accumulate skips the step as well, and counts it.
@@ -692,6 +695,45 @@ def test_when_every_microbatch_is_skipped_the_loss_and_gradients_are_nan():
   updates, state = jax.jit(opt.update)(grads, state, params)
   assert int(state.num_skipped) == 1 and int(state.mini_step) == 0
   tree_allclose(updates, jax.tree.map(np.zeros_like, params))
+
+
+@pytest.mark.parametrize("bad_value", [np.nan, np.inf], ids=["nan", "inf"])
+def test_by_default_a_nonfinite_step_is_skipped_whole_its_loss_reported_as_it_was(bad_value):
+  params, batch = make_mlp_params(), make_batch()
+  bad = dict(batch, x=with_value(batch["x"], 3, bad_value))  # row 3: microbatch 1 of 4
+  (value, aux), grads, info = microbatched(
+      lambda p, b: (mse_loss(p, b), {"loss": mse_loss(p, b)}), 4, has_aux=True,
+      return_info=True)(params, bad)
+  assert not np.isfinite(value) and not np.isfinite(aux["loss"])
+  tree_allclose(grads, jax.tree.map(np.zeros_like, params))
+  assert bool(info.step_skipped) and int(info.num_skipped) == 4
+  assert float(info.total_weight) == 0.0
+  np.testing.assert_array_equal(info.loss_finite, [True, False, True, True])
+  # A finite step is not skipped: the full batch's mean, every loss finite.
+  value, grads, info = microbatched(mse_loss, 4, return_info=True)(params, batch)
+  tree_allclose((value, grads), reference(mse_loss)(params, batch))
+  assert not bool(info.step_skipped) and int(info.num_skipped) == 0
+  np.testing.assert_array_equal(info.loss_finite, [True] * 4)
+
+
+def test_by_default_a_nan_gradient_under_a_finite_loss_skips_the_step_and_its_state():
+  params, batch = make_mlp_params(), make_batch()
+  state = {"mean": np.zeros(IN_FEATURES, np.float32)}
+
+  def loss(p, s, b):
+    # Rows with a NaN x are masked out of the loss, not out of its gradient.
+    ok = jnp.isfinite(b["x"])
+    x = jnp.where(ok, b["x"], 0.0)
+    value = mse_loss(p, dict(b, x=x)) + jnp.mean(jnp.where(ok, b["x"] * p["w1"][0, 0], 0.0))
+    return value, ({"mean": 0.5 * s["mean"] + 0.5 * jnp.mean(x, axis=0)}, ())
+
+  bad = dict(batch, x=with_value(batch["x"], 3, np.nan))
+  (value, (new_state, _)), grads, info = microbatched(
+      loss, 4, has_aux=True, state_argnums=1, return_info=True)(params, state, bad)
+  assert np.isfinite(value) and bool(info.step_skipped)
+  assert bool(np.all(info.loss_finite))  # the losses said nothing; the sums did
+  tree_allclose(grads, jax.tree.map(np.zeros_like, params))
+  tree_allclose(new_state, state)  # the state passed in, not the skipped step's
 
 
 def test_with_skip_nonfinite_false_a_nan_microbatch_poisons_the_result():

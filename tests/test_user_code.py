@@ -299,11 +299,12 @@ def masked_linear_loss(w, x):
   return jnp.mean(jnp.where(jnp.isfinite(x), w * x, 0.0))
 
 
-def test_a_nan_gradient_under_a_finite_loss_is_skipped_and_counted():
+def test_with_microbatch_skips_a_nan_gradient_under_a_finite_loss_is_left_out():
   x = normal(3, (BATCH, 2))
   x[5, 1] = np.inf  # microbatch 1 of 4
   w = np.ones((2,), np.float32)
-  vg = jax.jit(accum_jax.value_and_grad(masked_linear_loss, 4, return_info=True))
+  vg = jax.jit(accum_jax.value_and_grad(masked_linear_loss, 4, return_info=True,
+                                        skip_nonfinite="microbatch"))
   value, grads, info = vg(w, x)
   assert np.isfinite(masked_linear_loss(w, x)) and not np.isfinite(
       jax.grad(masked_linear_loss)(w, x[4:8])).all()
@@ -316,6 +317,21 @@ def test_a_nan_gradient_under_a_finite_loss_is_skipped_and_counted():
 def masked_padded_loss(w, batch):
   rows = jnp.where(jnp.isfinite(batch["x"]), w * batch["x"], 0.0).sum(-1) + batch["poison"]
   return jnp.sum(rows * batch["mask"]) / jnp.maximum(batch["mask"].sum(), 1.0)
+
+
+def test_padding_whose_loss_is_nan_never_skips_the_default_step():
+  x = normal(3, (BATCH, 2))
+  mask, poison = np.ones(BATCH, np.float32), np.zeros(BATCH, np.float32)
+  mask[12:], poison[12:] = 0, np.nan  # microbatch 3: padding, its loss NaN
+  batch = {"x": x, "poison": poison, "mask": mask}
+  w = np.ones((2,), np.float32)
+  vg = jax.jit(accum_jax.value_and_grad(
+      masked_padded_loss, 4, weight_fn=lambda b: b["mask"].sum(), return_info=True))
+  value, grads, info = vg(w, batch)
+  assert not bool(info.step_skipped) and int(info.num_skipped) == 0
+  assert float(info.total_weight) == 12 and bool(np.all(info.loss_finite))
+  kept = jax.tree.map(lambda a: a[:12], batch)
+  tree_allclose((value, grads), jax.value_and_grad(masked_padded_loss)(w, kept))
 
 
 @pytest.mark.parametrize("skip_nonfinite_first", [False, True], ids=["rechecked", "by loss"])
@@ -337,7 +353,8 @@ def test_padding_whose_loss_is_nan_is_never_counted_even_in_a_rechecked_step(
   batch = {"x": x, "poison": poison, "mask": mask}
   w = np.ones((2,), np.float32)
   vg = jax.jit(accum_jax.value_and_grad(
-      masked_padded_loss, 4, weight_fn=lambda b: b["mask"].sum(), return_info=True))
+      masked_padded_loss, 4, weight_fn=lambda b: b["mask"].sum(), return_info=True,
+      skip_nonfinite="microbatch"))
   value, grads, info = vg(w, batch)
   assert int(info.num_skipped) == 1 and float(info.total_weight) == 8
   kept = jax.tree.map(lambda a: np.concatenate([a[:4], a[8:12]]), batch)
