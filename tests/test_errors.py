@@ -165,6 +165,7 @@ TRIGGERS: dict[str, Callable[[], object]] = {
         accum_jax.value_and_grad(lambda w, b: (_loss(w, b), {"total": 0.0}), 2, has_aux=True,
                                  aux_reduction={"totl": "sum"})(W, jnp.ones((4, 3)))),
     "`gradient_dtype` is not a floating dtype": lambda: _vg(gradient_dtype=jnp.int32),
+    "`skip_nonfinite` is unknown": lambda: _vg(skip_nonfinite="batch"),
     "`aux_reduction='concat'` and an aux leaf has no leading axis of the microbatch's rows": (
         lambda: accum_jax.value_and_grad(
             lambda w, b: (_loss(w, b), jnp.ones(3)), 2, has_aux=True, aux_reduction="concat"
