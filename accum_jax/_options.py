@@ -493,7 +493,6 @@ def _find_batch(options: Options, args: tuple[Any, ...]) -> tuple[int, ...]:
   found = tuple(
       i for i, arg in enumerate(args) if i not in taken and looks_like_batch(arg)
   )
-  check_unambiguous(found, args)
   if not found:
     roles = {name: nums for name, nums in options.roles().items() if nums}
     others = " and ".join(f"{name}={nums}" for name, nums in roles.items())
@@ -695,6 +694,8 @@ def bind(options: Options, args: tuple[Any, ...], kwargs: dict[str, Any] | None 
   _check_loss_scale(options, args, kwargs or {})
   batch = _find_batch(options, args)
   _check_in_range(options, batch, len(args))
+  if options.batch_argnums is None:
+    check_unambiguous(batch, args)
   if options.batch_argnums is None:
     _check_roles(options.roles(batch))
   _check_differentiable(options, args)
