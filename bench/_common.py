@@ -109,6 +109,18 @@ def environment() -> dict[str, Any]:
   }
 
 
+def git_commit() -> str | None:
+  """The short commit of the working tree the benchmark runs from, or None outside git."""
+  try:
+    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                         text=True, timeout=10, cwd=Path(__file__).resolve().parent)
+  except (OSError, subprocess.TimeoutExpired):
+    return None
+  if out.returncode != 0:
+    return None
+  return out.stdout.strip() or None
+
+
 def write_json(name: str, data: Any) -> Path:
   """Writes ``data`` to ``bench/results/<name>.json`` and returns the path."""
   RESULTS_DIR.mkdir(parents=True, exist_ok=True)
@@ -172,6 +184,24 @@ def time_interleaved(
     for name in names[r % len(names):] + names[: r % len(names)]:
       samples[name] += time_samples(fns[name], repeats=1, warmup=0)
   return samples
+
+
+NOT_AVAILABLE = "n/a (option not available)"
+
+
+def unless_refused(build: Callable[[], Any]) -> tuple[Any, str | None]:
+  """``(build(), None)``, or ``(None, why)`` where the library refuses an option ``build`` uses.
+
+  A benchmark row may ask for an option that the code in the tree does not have
+  yet (an unknown keyword, a value it refuses): that row reads
+  :data:`NOT_AVAILABLE` and the run goes on, instead of crashing. ``why`` keeps
+  the refusal's first line.
+  """
+  try:
+    return build(), None
+  except (TypeError, ValueError) as e:
+    first = str(e).splitlines()[0][:200] if str(e) else ""
+    return None, f"{NOT_AVAILABLE}: {type(e).__name__}: {first}"
 
 
 def quartiles(samples: Sequence[float]) -> tuple[float, float]:
