@@ -64,13 +64,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import inspect
+import json
 import os
+import re
 import statistics
 import subprocess
 import sys
 import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 # This process and the fresh processes it starts share the device: each takes
@@ -82,14 +85,17 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from _common import (  # noqa: E402
+    NOT_AVAILABLE,
     RESULTS_DIR,
     environment,
     fresh_process_peak,
+    git_commit,
     markdown_table,
     memory_analysis_dict,
     quartiles,
     time_interleaved,
     tree_nbytes,
+    unless_refused,
     write_json,
 )
 from flax import nnx  # noqa: E402
@@ -101,6 +107,14 @@ SCAN = "lax.scan"
 ACCUM = "accum_jax"
 METHOD_NAMES = (ACCUM, SCAN, FULL)
 MULTISTEPS = "optax.MultiSteps"
+
+# --quick: the inside-step rows, and the (N, micro) pairs they run at.
+DEFAULT = "default"
+MICROBATCH = 'skip_nonfinite="microbatch"'
+NO_SKIP = "skip_nonfinite=False"
+QUICK_PAIRS = ((8, 1), (8, 4), (16, 1))
+# Rows whose option is landing in the library: refused, they read "n/a", the run goes on.
+GUARDED = {MICROBATCH}
 
 # accum_jax against the hand-written scan: both sum the same bfloat16 microbatch
 # gradients in float32 and cast the mean to bfloat16, so they differ by the
@@ -296,6 +310,16 @@ METHODS: dict[str, Callable[[Callable, int], Callable]] = {
     FULL: full_batch,
 }
 
+# --quick: the scan first (the reference), then the door's three ways of judging
+# non-finite data, then the full batch.
+QUICK_METHODS: dict[str, Callable[[Callable, int], Callable]] = {
+    SCAN: hand_written_scan,
+    DEFAULT: accum_jax_value_and_grad,
+    MICROBATCH: lambda loss, n: accum_jax.value_and_grad(loss, n, skip_nonfinite="microbatch"),
+    NO_SKIP: lambda loss, n: accum_jax.value_and_grad(loss, n, skip_nonfinite=False),
+    FULL: full_batch,
+}
+
 
 def build_step(
     method: str, num_microbatches: int, micro: int, tiny: bool, attention: str
@@ -367,15 +391,18 @@ class Budget:
 
   # Cumulative shares of the budget at which the phases stop starting new work.
   SHARES = {"memory": 0.4, "step": 0.75, "across_calls": 0.85, "fit": 1.0}
+  # --quick: the inside-step pairs, then across calls, both doors in one table.
+  QUICK_SHARES = {"step": 0.55, "across_calls": 0.9}
 
-  def __init__(self, seconds: float):
+  def __init__(self, seconds: float, shares: dict[str, float] | None = None):
     self.start = time.perf_counter()
     self.seconds = seconds
+    self.shares = shares or self.SHARES
 
   def left(self, phase: str) -> bool:
     if not self.seconds:
       return True
-    return time.perf_counter() - self.start < self.seconds * self.SHARES[phase]
+    return time.perf_counter() - self.start < self.seconds * self.shares[phase]
 
 
 # Inside one step: peak memory (fresh processes), then time and exactness (here).
@@ -425,7 +452,12 @@ def measure_memory(
     return dict(zip(jobs, pool.map(one, jobs)))
 
 
-def _report_failure(method: str, error: BaseException) -> str:
+def _report_failure(method: str, error: BaseException, *, guarded: bool = False) -> str:
+  """The status of a method that failed; ``guarded``: a refused option is "n/a", not an error."""
+  if guarded and isinstance(error, (TypeError, ValueError)):
+    status = f"{NOT_AVAILABLE}: {error_status(error)}"
+    print(f"    {method}: {status}", flush=True)
+    return status
   status = error_status(error)
   if status != "OOM":
     traceback.print_exc()
@@ -442,8 +474,20 @@ def _compile(fn: Callable, *args: Any) -> tuple[Any, float]:
 def measure_steps(
     pairs: list[tuple[int, int]], loss: Callable, params: Any, config: Config, *,
     rounds: int, budget: Budget, on_group: Callable[[], None],
+    methods: dict[str, Callable[[Callable, int], Callable]] | None = None,
+    warmup_compile: bool = False,
 ) -> dict[tuple[int, int], dict[str, Any]]:
-  """Per (N, micro): each method compiled once, run once (compared), then timed in turns."""
+  """Per (N, micro): each method compiled once, run once (compared), then timed in turns.
+
+  ``methods`` (default :data:`METHODS`): each one other than the scan and the full
+  batch is checked against the scan; the first of them is ``exact``, all are in
+  ``checks``. ``warmup_compile``: before a pair's methods, the gradient of one
+  microbatch is compiled and thrown away, so that no method's compile time holds
+  the process's one-time initialisation or the autotuning of the microbatch's
+  products, which all of them share.
+  """
+  methods = METHODS if methods is None else methods
+  checked = [m for m in methods if m not in (SCAN, FULL)]
   full_steps: dict[int, dict[str, Any]] = {}  # by batch size: compiled once, or its failure
   rows: dict[tuple[int, int], dict[str, Any]] = {}
   for n, micro in pairs:
@@ -455,18 +499,20 @@ def measure_steps(
       continue
     print(f"  N={n} micro={micro} (batch {batch})", flush=True)
     tokens = make_tokens(batch, config, seed=batch)
+    if warmup_compile:
+      _compile(jax.value_and_grad(loss), params, tokens[:micro])
     compiled, outputs = {}, {}
-    for method in METHOD_NAMES:
+    for method in methods:
       cached = full_steps.get(batch) if method == FULL else None
       if cached is not None:  # the full batch of this size, compiled for an earlier row
         step, entry = cached["step"], dict(cached["entry"])
       else:
         step, entry = None, {}
         try:
-          step, seconds = _compile(METHODS[method](loss, n), params, tokens)
+          step, seconds = _compile(methods[method](loss, n), params, tokens)
           entry.update(compile_s=seconds, xla=memory_analysis_dict(step))
         except Exception as e:
-          entry["status"] = _report_failure(method, e)
+          entry["status"] = _report_failure(method, e, guarded=method in GUARDED)
         if step is not None:
           try:
             outputs[method] = jax.block_until_ready(step(params, tokens))
@@ -484,12 +530,16 @@ def measure_steps(
         compiled[method] = step
       row["methods"][method] = entry
 
-    if ACCUM in outputs and SCAN in outputs:
-      row["exact"] = compare(outputs[ACCUM], outputs[SCAN])
-    if ACCUM in outputs and FULL in outputs:
+    if SCAN in outputs:
+      checks = {m: compare(outputs[m], outputs[SCAN]) for m in checked if m in outputs}
+      if checked[0] in checks:
+        row["exact"] = checks[checked[0]]
+      if len(checked) > 1:
+        row["checks"] = checks
+    if checked[0] in outputs and FULL in outputs:
       # Not a check: the full batch sums its bfloat16 gradient (the embedding's
       # scatter-add, the weights' products) over all B sequences in bfloat16.
-      row["vs_full"] = compare(outputs[ACCUM], outputs[FULL], check=False)
+      row["vs_full"] = compare(outputs[checked[0]], outputs[FULL], check=False)
     del outputs
     if compiled:
       calls = {m: (lambda s=s, t=tokens: s(params, t)) for m, s in compiled.items()}
@@ -587,6 +637,197 @@ def measure_across_calls(
         traceback.print_exc()
     results.append(entry)
     carries = steps = {}
+  return results
+
+
+# --quick, across calls: floors, accumulate in both layouts, MultiSteps; alone and
+# in the step that takes the gradient.
+
+VECTOR = "floor: one f32 vector acc += g"
+PER_LEAF = "floor: per-leaf acc += g (jax.tree.map)"
+HAND_COND = "floor: hand-written lax.cond(emit, adamw, skip)"
+PLAIN = "floor: plain adamw step"
+MULTISTEPS_ADAMW = "optax.MultiSteps(adamw)"
+# Rows whose option is landing in the library (the flat layout): "n/a" while refused.
+LAYOUTS = ("tree", "flat")
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+  """One way of handling a call's gradient: its state and its update, both of plain arrays.
+
+  ``update(params, state, grads) -> (params, state)`` is jitted with the
+  parameters and the state donated. ``vector_grads``: standing alone, it is
+  handed the gradient as one vector (the floor of memory traffic).
+  """
+
+  init: Callable[[Any], Any]
+  update: Callable[[Any, Any, Any], tuple[Any, Any]]
+  vector_grads: bool = False
+
+
+def _ravel(tree: Any) -> jax.Array:
+  return jnp.concatenate([jnp.ravel(x) for x in jax.tree.leaves(tree)])
+
+
+def _vector_floor() -> Candidate:
+  def update(params, acc, grads):
+    g = grads if isinstance(grads, jax.Array) else _ravel(grads)
+    return params, acc + g.astype(jnp.float32)
+
+  return Candidate(lambda p: jnp.zeros(sum(x.size for x in jax.tree.leaves(p)), jnp.float32),
+                   update, vector_grads=True)
+
+
+def _per_leaf_floor() -> Candidate:
+  def update(params, acc, grads):
+    return params, jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads)
+
+  return Candidate(lambda p: jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), p), update)
+
+
+def _hand_written_cond(inner: optax.GradientTransformation, every_k: int) -> Candidate:
+  """What a careful user writes: a float32 tree, the inner update under a kept conditional.
+
+  The skip branch only passes its operands through, so XLA:GPU keeps the
+  conditional (it turns one whose branches hold only cheap ops into selects of
+  both); the zero updates and the reset are ``where``s outside it.
+  """
+
+  def init(params):
+    acc = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), params)
+    return jnp.zeros((), jnp.int32), acc, inner.init(params)
+
+  def update(params, state, grads):
+    count, acc, inner_state = state
+    count = count + 1
+    acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads)
+    emit = count % every_k == 0
+
+    def apply(acc, inner_state, params):
+      mean = jax.tree.map(lambda a, p: (a / every_k).astype(p.dtype), acc, params)
+      return inner.update(mean, inner_state, params)
+
+    def skip(acc, inner_state, params):
+      return params, inner_state  # the parameters stand in for the updates' shapes
+
+    updates, inner_state = jax.lax.cond(emit, apply, skip, acc, inner_state, params)
+    updates = jax.tree.map(lambda u: jnp.where(emit, u, jnp.zeros_like(u)), updates)
+    acc = jax.tree.map(lambda a: jnp.where(emit, jnp.zeros_like(a), a), acc)
+    return optax.apply_updates(params, updates), (count, acc, inner_state)
+
+  return Candidate(init, update)
+
+
+def _optimizer(tx: optax.GradientTransformation) -> Candidate:
+  """An Optax transformation's update and ``apply_updates``, every call."""
+
+  def update(params, state, grads):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  return Candidate(tx.init, update)
+
+
+def _inner(name: str) -> optax.GradientTransformation:
+  if name == "sgd":
+    return optax.sgd(1e-3)
+  if name == "adamw":
+    return optax.adamw(1e-4)
+  return optax.contrib.muon(1e-3)
+
+
+def across_candidates(every_k: int) -> dict[str, Candidate | str]:
+  """The rows of the quick across-calls table, references first; a refused option: why."""
+  rows: dict[str, Candidate | str] = {
+      VECTOR: _vector_floor(),
+      PER_LEAF: _per_leaf_floor(),
+      HAND_COND: _hand_written_cond(_inner("adamw"), every_k),
+      PLAIN: _optimizer(_inner("adamw")),
+      MULTISTEPS_ADAMW: _optimizer(
+          optax.MultiSteps(_inner("adamw"), every_k).gradient_transformation()),
+  }
+  for inner in ("adamw", "sgd", "muon"):
+    for layout in LAYOUTS:
+      # layout= is landing in the library; the tree layout is the default either way.
+      options = {"layout": layout} if layout != "tree" else {}
+      tx, refusal = unless_refused(
+          lambda inner=inner, options=options: accum_jax.accumulate(
+              _inner(inner), every_k=every_k, **options))
+      rows[accumulate_row(inner, layout)] = refusal or _optimizer(tx)
+  return rows
+
+
+def accumulate_row(inner: str, layout: str) -> str:
+  return f"accumulate({inner}), {layout}"
+
+
+def _window_times(step: Callable, carry: list[Any], grads: Any, every_k: int) -> list[float]:
+  """Seconds of each call of one window; ``carry`` holds ``[params, state]``, updated."""
+  times = []
+  for _ in range(every_k):
+    start = time.perf_counter()
+    carry[:] = jax.block_until_ready(step(*carry, grads))
+    times.append(time.perf_counter() - start)
+  return times
+
+
+def measure_quick_across(
+    params: Any, loss: Callable, tokens: jax.Array, *, every_k: int, rounds: int,
+    budget: Budget, combined: bool,
+) -> dict[str, dict[str, Any]]:
+  """Each row a window at a time, taking turns: micro-step, last call, window, compile.
+
+  ``combined``: the jitted call takes the gradient of ``tokens`` (one sequence)
+  and updates, as users jit a step; else it is handed a fixed gradient.
+  """
+  keys = jax.random.split(jax.random.key(1), 2)
+  grads = jax.tree.map(lambda p, k=keys[0]: 1e-3 * jax.random.normal(k, p.shape, p.dtype), params)
+  vector = _ravel(grads)
+  results: dict[str, dict[str, Any]] = {}
+  steps, carries, inputs = {}, {}, {}
+  for name, candidate in across_candidates(every_k).items():
+    if isinstance(candidate, str):
+      results[name] = {"status": candidate}
+      continue
+    if not budget.left("across_calls"):
+      results[name] = {"status": "skipped (budget)"}
+      continue
+    if combined:
+      def call(params, state, tokens, update=candidate.update):
+        return update(params, state, jax.grad(loss)(params, tokens))
+      inputs[name] = tokens
+    else:
+      call = candidate.update
+      inputs[name] = vector if candidate.vector_grads else grads
+    print(f"  {name}", flush=True)
+    own = jax.tree.map(jnp.copy, params)  # donated: each its own copy
+    try:
+      state = jax.jit(candidate.init)(own)
+      start = time.perf_counter()
+      steps[name] = jax.jit(call, donate_argnums=(0, 1)).lower(own, state, inputs[name]).compile()
+      results[name] = {"compile_s": time.perf_counter() - start,
+                       "xla": memory_analysis_dict(steps[name]), "state_bytes": tree_nbytes(state)}
+      carries[name] = [own, state]
+      _window_times(steps[name], carries[name], inputs[name], every_k)  # warm-up
+    except Exception as e:
+      results[name] = {"status": _report_failure(name, e, guarded=name.startswith("accumulate"))}
+      steps.pop(name, None)
+      carries.pop(name, None)
+  per_call: dict[str, list[list[float]]] = {name: [] for name in steps}
+  names = list(steps)
+  for r in range(rounds if names else 0):
+    for name in names[r % len(names):] + names[:r % len(names)]:
+      per_call[name].append(_window_times(steps[name], carries[name], inputs[name], every_k))
+  for name, windows in per_call.items():
+    micro = [t for w in windows for t in w[:-1]]
+    results[name].update(
+        status="ok",
+        micro_step_ms=1e3 * statistics.median(micro),
+        last_call_ms=1e3 * statistics.median(w[-1] for w in windows),
+        window_ms=1e3 * statistics.median(sum(w) for w in windows),
+        call_ms_samples=[[1e3 * t for t in w] for w in windows],
+    )
   return results
 
 
@@ -798,6 +1039,136 @@ def fit_table(fit: dict[str, Any]) -> str:
                          "vs lax.scan: rel diff"], rows)
 
 
+# The one table of --quick, and the before column of --compare.
+
+INSIDE, ACROSS = "inside a step", "across calls"
+# Per across-calls case: the reference of its ratios.
+ACROSS_CASES = {
+    "micro-step": ("micro_step_ms", HAND_COND),
+    "window of 8": ("window_ms", MULTISTEPS_ADAMW),
+}
+# Method names of earlier JSON (bench_gpu.py before --quick) in today's rows.
+LEGACY_ROWS = {ACCUM: DEFAULT, SCAN: SCAN, FULL: FULL}
+
+
+def _record(door: str, case: str, row: str, ref: str, entry: dict[str, Any],
+            ms_key: str) -> dict[str, Any]:
+  xla = entry.get("xla") or {}
+  memory = (xla["temp_bytes"] + xla["output_bytes"]
+            if "temp_bytes" in xla and "output_bytes" in xla else None)
+  return {"door": door, "case": case, "row": row, "ref": ref, "ms": entry.get(ms_key),
+          "compile_s": entry.get("compile_s"), "memory_bytes": memory,
+          "status": entry.get("status", "-")}
+
+
+def records_of(output: dict[str, Any]) -> list[dict[str, Any]]:
+  """The rows of the one table, from a run's JSON, this script's of any version."""
+  records = []
+  for row in output.get("results", []):
+    case = f"{row['num_microbatches']}x{row['micro']}"
+    for method, entry in row.get("methods", {}).items():
+      records.append(_record(INSIDE, case, LEGACY_ROWS.get(method, method), SCAN, entry,
+                             "step_ms"))
+  for form, results in (output.get("quick_across") or {}).items():
+    suffix = "" if form == "standalone" else " + gradient"
+    for name, entry in results.items():
+      for case, (key, ref) in ACROSS_CASES.items():
+        records.append(_record(ACROSS, case + suffix, name, ref, entry, key))
+  for entry in output.get("across_calls") or []:  # the full run's accumulate / MultiSteps
+    if entry.get("status") != "ok" or entry["every_k"] != 8:
+      continue
+    for name, row in ((ACCUM, accumulate_row("adamw", "tree")), (MULTISTEPS, MULTISTEPS_ADAMW)):
+      for case, (key, ref) in ACROSS_CASES.items():
+        records.append(_record(ACROSS, case, row, ref, {"status": "ok", **entry[name]}, key))
+  return records
+
+
+def _ratios(records: list[dict[str, Any]]) -> dict[tuple[str, str, str], dict[str, Any]]:
+  """Records by (door, case, row), each with its ratios to its reference's figures."""
+  by_key = {(r["door"], r["case"], r["row"]): dict(r) for r in records}
+  for (door, case, _), r in by_key.items():
+    ref = by_key.get((door, case, r["ref"]), {})
+    for field in ("ms", "compile_s", "memory_bytes"):
+      a, b = r.get(field), ref.get(field)
+      r[f"{field}_ratio"] = a / b if a is not None and b else None
+  return by_key
+
+
+def source_label(output: dict[str, Any], path: str | None = None) -> str:
+  """The card, JAX and commit a run was measured with."""
+  config = output.get("config", {})
+  commit = config.get("commit")
+  if not commit and path:
+    found = re.search(r"-([0-9a-f]{7,40})\.json$", path)
+    commit = found.group(1) if found else None
+  jax_version = config.get("environment", {}).get("jax", "?")
+  return f"{config.get('device_kind', '?')}, jax {jax_version}, at {commit or 'unknown commit'}"
+
+
+def _cell(value: Any, scale: float = 1.0, digits: int = 2) -> str:
+  return "-" if value is None else f"{value * scale:.{digits}f}"
+
+
+def one_table(records: list[dict[str, Any]], before: list[dict[str, Any]] | None = None) -> str:
+  """Both doors in one table; with ``before``, its time and ratio beside each row it has."""
+  now = _ratios(records)
+  then = _ratios(before) if before else {}
+  rows = []
+  for key, r in now.items():
+    door, case, row = key
+    ok = r["ms"] is not None
+    cells = [door, case, row, _cell(r["ms"], digits=3) if ok else r["status"].split(":")[0],
+             _cell(r["ms_ratio"], digits=3), _cell(r["compile_s"]),
+             _cell(r["compile_s_ratio"]), _cell(r["memory_bytes"], 1 / _MIB, 1),
+             _cell(r["memory_bytes_ratio"])]
+    if before is not None:
+      old = then.get(key, {})
+      cells += [_cell(old.get("ms"), digits=3), _cell(old.get("ms_ratio"), digits=3)]
+    rows.append(cells)
+  headers = ["door", "case", "row", "ms", "x ref", "compile s", "x ref", "temp + output MiB",
+             "x ref"]
+  if before is not None:
+    headers += ["before ms", "before x ref"]
+  return markdown_table(headers, rows)
+
+
+def goals(records: list[dict[str, Any]]) -> list[list[str]]:
+  """The figures issues 27 and 28 set goals for: (figure, measured, goal)."""
+  by_key = _ratios(records)
+  out = []
+  for (door, case, row), r in by_key.items():
+    if door == INSIDE and row == DEFAULT:
+      out.append([f"default / lax.scan step time, {case}", _cell(r["ms_ratio"], digits=3),
+                  "<= 1.02"])
+      out.append([f"default / lax.scan compile time, {case}", _cell(r["compile_s_ratio"]),
+                  "<= 1.3"])
+  for suffix in ("", " + gradient"):
+    flat = by_key.get((ACROSS, "micro-step" + suffix, accumulate_row("adamw", "flat")), {})
+    floor = by_key.get((ACROSS, "micro-step" + suffix, PER_LEAF), {})
+    ratio = flat["ms"] / floor["ms"] if flat.get("ms") and floor.get("ms") else None
+    out.append([f"accumulate(adamw), flat / per-leaf floor, micro-step{suffix}",
+                _cell(ratio, digits=3), "<= 0.5 (GPU)"])
+    window = by_key.get((ACROSS, "window of 8" + suffix, accumulate_row("adamw", "flat")), {})
+    out.append([f"accumulate(adamw), flat / MultiSteps, window{suffix}",
+                _cell(window.get("ms_ratio"), digits=3), "<= 0.5 (GPU)"])
+  return out
+
+
+def print_quick(output: dict[str, Any], before: dict[str, Any] | None,
+                before_path: str | None) -> None:
+  records = output["records"]
+  print("\nboth doors: step time in ms (inside a step: median of interleaved rounds; across calls:"
+        " median micro-step and window, rows taking turns a window at a time), compile s (after"
+        " a warm-up compile), temp + output = compiled.memory_analysis().\nx ref: to lax.scan at"
+        f" the same N x micro; micro-steps to '{HAND_COND}'; windows to '{MULTISTEPS_ADAMW}';"
+        " '+ gradient': the gradient of one sequence in the same jit")
+  if before is not None:
+    print(f"now: {source_label(output)}; before: {source_label(before, before_path)}")
+  print(one_table(records, records_of(before) if before is not None else None))
+  print()
+  print(markdown_table(["figure", "measured", "goal"], output["goals"]))
+
+
 def header(config: dict[str, Any]) -> str:
   m = config["model"]
   env = config["environment"]
@@ -812,12 +1183,29 @@ def header(config: dict[str, Any]) -> str:
   )
 
 
+def _checks(row: dict[str, Any]) -> list[dict[str, Any]]:
+  """A row's comparisons with the scan: every checked method's, or the one ``exact``."""
+  if "checks" in row:
+    return list(row["checks"].values())
+  return [row["exact"]] if row.get("exact") else []
+
+
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--tiny", action="store_true",
                       help="2 layers of width 64, vocabulary 256, context 32: a CPU smoke run")
   parser.add_argument("--tiny-off-gpu", action="store_true",
                       help="GPT-2 small on a GPU, the --tiny configuration elsewhere")
+  parser.add_argument("--quick", action="store_true",
+                      help="the GPU check, both doors in one table, in under 4 minutes:"
+                      " N x micro of 8x1, 8x4 and 16x1, then across calls; no memory workers")
+  parser.add_argument("--forms", nargs="+", choices=("standalone", "combined"),
+                      default=["standalone", "combined"],
+                      help="--quick, across calls: each call alone, or with the gradient of one"
+                      " sequence in the same jit (default both)")
+  parser.add_argument("--compare", default=None, metavar="PATH",
+                      help="a JSON of this script (e.g. an earlier card or commit): its figures"
+                      " beside today's where the rows match")
   parser.add_argument("--ns", type=int, nargs="+", default=None,
                       help="numbers of microbatches (default 1 2 4 8 16; --tiny 1 4)")
   parser.add_argument("--micro", type=int, nargs="+", default=None,
@@ -839,8 +1227,9 @@ def main(argv: list[str] | None = None) -> int:
                       " fit only on a GPU or with --fit)")
   parser.add_argument("--attention", choices=("auto", "cudnn", "xla", "manual"), default="auto",
                       help="auto: cuDNN's fused kernel on a GPU where it compiles, else XLA's")
-  parser.add_argument("--budget", type=float, default=540,
-                      help="seconds after which no new configuration starts (0: no limit)")
+  parser.add_argument("--budget", type=float, default=None,
+                      help="seconds after which no new configuration starts (0: no limit;"
+                      " default 540, --quick 200)")
   parser.add_argument("--jobs", type=int, default=None,
                       help="memory workers at once (default 2 on CPU, 1 on GPU)")
   parser.add_argument("--worker-timeout", type=float, default=300,
@@ -857,14 +1246,23 @@ def main(argv: list[str] | None = None) -> int:
     print(f"no GPU ({platform}): the --tiny configuration")
     args.tiny = True
   model = TINY if args.tiny else GPT2_SMALL
+  if args.quick:
+    # Compile times are figures of the check: no cache may answer for a compile.
+    args.no_memory = True
+    args.sections = [x for x in args.sections if x != "fit"]
+    args.compile_cache = "" if args.compile_cache is None else args.compile_cache
   ns = args.ns or ([1, 4] if args.tiny else [1, 2, 4, 8, 16])
   micros = args.micro or ([4] if args.tiny else [1, 2, 4, 8, 16, 32])
   rounds = args.rounds or (5 if args.tiny else 10)
   fit_cap = args.fit_cap or (64 if args.tiny else 512)
   if min(ns + micros) < 1 or rounds < 1:
     parser.error("--ns, --micro and --rounds must be >= 1")
-  name = args.name or ("gpu_quick" if args.tiny else "gpu")
-  budget = Budget(args.budget)
+  name = args.name or ("gpu_check" if args.quick else "gpu_quick" if args.tiny else "gpu")
+  if args.quick and args.tiny and not args.name:
+    name = "gpu_check_tiny"
+  seconds = args.budget if args.budget is not None else (200 if args.quick else 540)
+  budget = Budget(seconds, Budget.QUICK_SHARES if args.quick else None)
+  before = json.loads(Path(args.compare).read_text()) if args.compare else None
 
   cache = args.compile_cache
   if cache is None:
@@ -875,6 +1273,8 @@ def main(argv: list[str] | None = None) -> int:
     jax.config.update("jax_compilation_cache_dir", cache)
   attention = resolve_attention(args.attention, model)
   pairs, too_large = step_configurations(ns, micros, args.max_batch)
+  if args.quick and not (args.ns or args.micro):
+    pairs, too_large = list(QUICK_PAIRS), []
   run_fit = "fit" in args.sections and (on_gpu or args.fit)
 
   device = jax.devices()[0]
@@ -884,6 +1284,8 @@ def main(argv: list[str] | None = None) -> int:
       "tied_head": True,
       "dtype": "bfloat16 parameters and compute, float32 loss",
       "attention": attention,
+      "quick": args.quick,
+      "pairs": [list(p) for p in pairs],
       "ns": ns,
       "micro": micros,
       "rounds": rounds,
@@ -892,7 +1294,8 @@ def main(argv: list[str] | None = None) -> int:
       "sections": args.sections,
       "fit": run_fit,
       "memory": not args.no_memory and "step" in args.sections,
-      "budget_s": args.budget,
+      "budget_s": seconds,
+      "commit": git_commit(),
       "compile_cache": cache or None,
       "platform": platform,
       "device_kind": device.device_kind,
@@ -928,7 +1331,8 @@ def main(argv: list[str] | None = None) -> int:
       config["memory_seconds"] = time.perf_counter() - start
     print("\nstep time, the methods taking turns:", flush=True)
     rows = measure_steps(pairs, loss, params, model, rounds=rounds, budget=budget,
-                         on_group=save)
+                         on_group=save, methods=QUICK_METHODS if args.quick else None,
+                         warmup_compile=args.quick)
     for (n, micro), row in rows.items():
       for method in METHOD_NAMES:
         key = (FULL, 1, n * micro) if method == FULL else (method, n, micro)
@@ -936,6 +1340,7 @@ def main(argv: list[str] | None = None) -> int:
           row["methods"].setdefault(method, {})["memory"] = memory[key]
     output["results"] = list(rows.values())
     save()
+  if "step" in args.sections and not args.quick:
     time_table, memory_table = step_tables(config, output["results"])
     print()
     print("gradient of one batch (N x micro sequences): step time, median ms; vs = accum_jax's"
@@ -951,7 +1356,17 @@ def main(argv: list[str] | None = None) -> int:
             " compiled.memory_analysis().temp_size_in_bytes")
       print(memory_table)
 
-  if "across_calls" in args.sections:
+  if "across_calls" in args.sections and args.quick:
+    sequence = make_tokens(1, model, seed=1)
+    output["quick_across"] = {}
+    for form in args.forms:
+      print(f"\nacross calls, every_k=8, {form}:", flush=True)
+      output["quick_across"][form] = measure_quick_across(
+          params, loss, sequence, every_k=8, rounds=rounds, budget=budget,
+          combined=form == "combined")
+      save()
+
+  if "across_calls" in args.sections and not args.quick:
     print("\nacross calls, AdamW on the model's bfloat16 parameters, donated:", flush=True)
     output["across_calls"] = measure_across_calls(ns, params, rounds=rounds, budget=budget)
     save()
@@ -976,7 +1391,12 @@ def main(argv: list[str] | None = None) -> int:
           f" {fit.get('batch', '-')} sequences microbatched, against the hand-written scan")
     print(fit_table(fit))
 
-  mismatches = [r for r in output["results"] if r.get("exact") and not r["exact"]["match"]]
+  output["records"] = records_of(output)
+  output["goals"] = goals(output["records"])
+  if args.quick or before is not None:
+    print_quick(output, before, args.compare)
+
+  mismatches = [r for r in output["results"] if any(not c["match"] for c in _checks(r))]
   if output["fit"] and output["fit"].get("exact") and not output["fit"]["exact"]["match"]:
     mismatches.append(output["fit"])
   output["all_match"] = not mismatches
