@@ -2,7 +2,8 @@
 
 The benchmarks (``bench_transform.py``, ``bench_microbatch.py``,
 ``bench_planner.py``, ``bench_sharded.py``, ``bench_gpu.py`` (GPT-2 small on a GPU,
-its tiny configuration elsewhere), and ``soak.py`` where it exists) write
+its tiny configuration elsewhere; and its ``--quick`` check of both doors),
+``bench_many_leaves.py``, and ``soak.py`` where it exists) write
 their JSON, and ``bench_microbatch.py`` and ``bench_sharded.py`` their plots, into
 ``bench/results/``. This script adds
 ``run_all.json``: what ran, how long it took, the end of each one's output, and
@@ -13,8 +14,8 @@ those.
 
 Run from the repository root::
 
-  python bench/run_all.py            # the full benchmarks, 10 to 20 minutes on 2 CPU cores
-  python bench/run_all.py --quick    # every benchmark's smoke run, about 3 minutes
+  python bench/run_all.py            # the full benchmarks, 20 to 30 minutes on 2 CPU cores
+  python bench/run_all.py --quick    # every benchmark's smoke run, about 8 minutes
 """
 
 from __future__ import annotations
@@ -42,6 +43,10 @@ BENCHMARKS: dict[str, tuple[str, list[str], list[str]]] = {
     "sharded": ("bench_sharded.py", [], ["--quick"]),
     # Off a GPU, GPT-2 small would take the whole budget for a few rows.
     "gpu": ("bench_gpu.py", ["--tiny-off-gpu"], ["--tiny"]),
+    # The GPU check of both doors in one table (under 4 minutes on a GPU).
+    "gpu_check": ("bench_gpu.py", ["--quick", "--tiny-off-gpu"],
+                  ["--quick", "--tiny", "--ns", "2", "--micro", "1", "--forms", "standalone"]),
+    "many_leaves": ("bench_many_leaves.py", [], ["--quick"]),
     # The soak has no --quick: 500 micro-steps are what its test runs.
     "soak": ("soak.py", [], ["--steps", "500"]),
 }
@@ -130,6 +135,20 @@ def summary(quick: bool, since: float) -> list[list[str]]:
   # Off a GPU the full run falls back to the tiny configuration, gpu_quick.json.
   if gpu := _load("gpu" + suffix, since) or _load("gpu_quick", since):
     rows += gpu_summary(gpu)
+  # The GPU check names its JSON by where it ran: gpu_check on a GPU, gpu_check_tiny off it.
+  for check_name in ("gpu_check", "gpu_check_tiny"):
+    if check := _load(check_name, since):
+      where = check["config"]["device_kind"]
+      rows += [["gpu_check", f"{figure} ({where})", f"{value} (goal {goal})"]
+               for figure, value, goal in check.get("goals", [])]
+  if many := _load("many_leaves" + suffix, since):
+    for model, results in many["results"].items():
+      scan = results["scan"]
+      for row in ("default", "skip_nonfinite=False"):
+        r = results[row]
+        rows.append(["many_leaves", f"{model}, {row}: step, compile time / scan",
+                     f"{r['step_seconds'] / scan['step_seconds']:.3f},"
+                     f" {r['compile_seconds'] / scan['compile_seconds']:.2f}"])
   # The soak writes soak.json whatever its length.
   if soak := _load("soak", since):
     rows.append(["soak", f"{soak.get('steps')} micro-steps: compiles, same windows as the"

@@ -7,7 +7,10 @@ rounds and no fresh-process memory measurements, and its JSON is checked: every
 (N, micro) row timed for all three methods, accum_jax's loss and gradient equal to
 the hand-written scan's, the across-calls rows present. A second test makes one
 method run out of memory and checks that the row records it and the others go on.
-Timings are not checked: the machine is shared.
+The ``--quick`` check's functions run at a smaller size still: every row of both
+doors measured, the doors checked against the scan, and the one table with an
+earlier run's figures beside the rows that match; the hand-written floor emits on
+the k-th call only. Timings are not checked: the machine is shared.
 """
 
 from __future__ import annotations
@@ -113,3 +116,82 @@ def test_a_configuration_out_of_memory_is_recorded_and_the_others_run(
   )
   assert "| OOM " in time_table
   assert bench.is_oom(RuntimeError("... out of memory ...")) and not bench.is_oom(ValueError("x"))
+
+
+def _legacy_run() -> dict:
+  """A JSON as bench_gpu.py wrote it before --quick (the H200 run at d1c9549), cut down."""
+  return {
+      "config": {"device_kind": "NVIDIA H200", "environment": {"jax": "0.11.2"}},
+      "results": [{"num_microbatches": 2, "micro": 1, "batch": 2, "status": "ok", "methods": {
+          "accum_jax": {"status": "ok", "step_ms": 40.0},
+          "lax.scan": {"status": "ok", "step_ms": 32.0}}}],
+      "across_calls": [{"every_k": 8, "status": "ok",
+                        "accum_jax": {"micro_step_ms": 11.0, "window_ms": 90.0},
+                        "optax.MultiSteps": {"micro_step_ms": 10.0, "window_ms": 80.0}}],
+  }
+
+
+def test_the_quick_check_puts_both_doors_in_one_table_beside_an_earlier_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+  monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+  bench = _load()
+  # The quick check's code at the smallest size: what runs on the GPU, in seconds here.
+  config = bench.Config(layers=1, width=16, heads=2, mlp=32, vocab=32, context=8)
+  graphdef, params = bench.make_model(config, "xla")
+  loss = bench.make_loss(graphdef)
+  rows = bench.measure_steps(
+      [(2, 1)], loss, params, config, rounds=1, budget=bench.Budget(0),
+      on_group=lambda: None, methods=bench.QUICK_METHODS, warmup_compile=True,
+  )
+  row = rows[2, 1]
+  for method in bench.QUICK_METHODS:
+    entry = row["methods"][method]
+    assert entry["status"] == "ok" and entry["step_ms"] > 0 and entry["compile_s"] > 0, entry
+  assert set(row["checks"]) == {bench.DEFAULT, bench.MICROBATCH, bench.NO_SKIP}
+  assert all(c["match"] for c in row["checks"].values()), row["checks"]
+  across = bench.measure_quick_across(params, loss, bench.make_tokens(1, config), every_k=2,
+                                      rounds=1, budget=bench.Budget(0), combined=False)
+  assert len(across) == 11
+  for name, entry in across.items():
+    if entry["status"].startswith(bench.NOT_AVAILABLE):  # the flat layout, until it lands
+      assert name.endswith("flat"), (name, entry)
+      continue
+    assert entry["status"] == "ok" and entry["micro_step_ms"] > 0, (name, entry)
+    assert len(entry["call_ms_samples"]) == 1 and len(entry["call_ms_samples"][0]) == 2
+
+  records = bench.records_of({"results": [row], "quick_across": {"standalone": across}})
+  before = bench.records_of(_legacy_run())
+  table = {tuple(c.strip() for c in line.strip("|").split("|")[:3]): line
+           for line in bench.one_table(records, before).splitlines()[2:]}
+  cells = lambda key: [c.strip() for c in table[key].strip("|").split("|")]  # noqa: E731
+  # Today's default beside the default of then, each as a ratio to its own scan.
+  default = cells(("inside a step", "2x1", "default"))
+  assert default[-2:] == ["40.000", "1.250"], default
+  assert float(default[4]) == pytest.approx(
+      row["methods"]["default"]["step_ms"] / row["methods"]["lax.scan"]["step_ms"], abs=1e-3)
+  assert cells(("inside a step", "2x1", "lax.scan"))[4] == "1.000"
+  assert cells(("inside a step", "2x1", "skip_nonfinite=False"))[-2:] == ["-", "-"]
+  assert cells(("across calls", "window of 8", "accumulate(adamw), tree"))[-2:] == [
+      "90.000", "1.125"]
+  assert cells(("across calls", "window of 8", "optax.MultiSteps(adamw)"))[4] == "1.000"
+  figures = {g[0]: g for g in bench.goals(records)}
+  assert "default / lax.scan step time, 2x1" in figures
+  assert bench.source_label(_legacy_run(), "/x/h200-bench_gpu-d1c9549.json") == (
+      "NVIDIA H200, jax 0.11.2, at d1c9549")
+
+
+def test_the_hand_written_floor_updates_on_the_kth_call_only() -> None:
+  bench = _load()
+  import jax.numpy as jnp
+  import optax
+
+  floor = bench._hand_written_cond(optax.sgd(1.0), every_k=2)
+  params = {"w": jnp.ones(3, jnp.bfloat16), "b": jnp.zeros((), jnp.bfloat16)}
+  grads = {"w": jnp.full(3, 0.5, jnp.bfloat16), "b": jnp.ones((), jnp.bfloat16)}
+  state = floor.init(params)
+  first, state = floor.update(params, state, grads)
+  assert (first["w"] == 1).all() and first["b"] == 0 and (state[1]["w"] == 0.5).all()
+  second, state = floor.update(first, state, grads)
+  assert (second["w"] == 0.5).all() and second["b"] == -1, second  # params - mean of 2 grads
+  assert (state[1]["w"] == 0).all() and state[1]["b"] == 0  # the accumulator reset
