@@ -10,20 +10,16 @@ from accum_jax._noise import GradientNoise, NoiseScaleEMA
 from accum_jax._parity import LeafDeviation, ParityReport, check_parity
 from accum_jax._planner import MemoryBudgetError, MicrobatchPlan, plan_microbatches
 from accum_jax._resume import abstract_state, abstract_tree
-from accum_jax._sharding import UnknownShardingWarning
-from accum_jax._stats import stats_value_and_grad
-from accum_jax._transform import (
-  AccumulationState,
+from accum_jax._schedules import (
   EveryKSchedule,
   NoiseScaleSchedule,
-  ShouldSkipUpdateFunction,
-  accumulate,
   every_k_schedule,
-  gradient_noise,
-  has_updated,
   noise_scale_every_k,
-  optimizer_step,
 )
+from accum_jax._sharding import UnknownShardingWarning
+from accum_jax._state import AccumulationState, gradient_noise, has_updated, optimizer_step
+from accum_jax._stats import stats_value_and_grad
+from accum_jax._transform import ShouldSkipUpdateFunction, accumulate
 
 try:
   __version__ = _metadata.version("accum_jax")

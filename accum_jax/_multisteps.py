@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from accum_jax import _transform
+from accum_jax import _schedules, _state, _transform
 
 
 class MultiSteps:
@@ -42,7 +42,7 @@ class MultiSteps:
   def __init__(
       self,
       opt: optax.GradientTransformation,
-      every_k_schedule: int | _transform.EveryKSchedule,
+      every_k_schedule: int | _schedules.EveryKSchedule,
       use_grad_mean: bool = True,
       should_skip_update_fn: _transform.ShouldSkipUpdateFunction | None = None,
       accumulator_dtype: Any = jnp.float32,
@@ -62,17 +62,17 @@ class MultiSteps:
     """The wrapped optimizer, with extra-argument support."""
     return self._opt
 
-  def init(self, params: Any) -> _transform.AccumulationState:
+  def init(self, params: Any) -> _state.AccumulationState:
     """The initial state: an empty window and the inner optimizer's state."""
     return self._transform.init(params)
 
   def update(
       self,
       updates: Any,
-      state: _transform.AccumulationState,
+      state: _state.AccumulationState,
       params: Any = None,
       **extra_args: Any,
-  ) -> tuple[Any, _transform.AccumulationState]:
+  ) -> tuple[Any, _state.AccumulationState]:
     """Accumulates ``updates``; on the last mini-step of a window, updates.
 
     Takes ``weight=`` and ``flush=`` as :func:`accum_jax.accumulate` does; other
@@ -82,7 +82,7 @@ class MultiSteps:
 
   def has_updated(self, state: Any) -> jax.Array:
     """Whether the last ``update`` applied the inner optimizer (bool scalar)."""
-    return _transform.has_updated(state)
+    return _state.has_updated(state)
 
   def gradient_transformation(self) -> optax.GradientTransformationExtraArgs:
     """This optimizer as an Optax transformation (what ``init``/``update`` call)."""

@@ -8,28 +8,23 @@
   updates, inner_state, last_noise = _step_inner(options, call, state, window)
                                                 # the inner update, on emitting calls only
   return updates, _next_state(...)              # counters advanced, the window closed
+
+The state and its readers are in ``_state``, the window lengths in ``_schedules``,
+the checks of one call's arguments in ``_update_args``, the flat layout in ``_flat``.
 """
 
 from __future__ import annotations
 
 import functools
-import math
-import numbers
-from collections.abc import Mapping
 from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from accum_jax import _core, _noise, _options
-
-
-class EveryKSchedule(Protocol):
-  """Maps the optimizer step (updates applied so far) to the window length."""
-
-  def __call__(self, optimizer_step: jax.Array) -> jax.typing.ArrayLike:
-    ...
+from accum_jax import _core, _flat, _inner_checks, _noise, _options, _update_args
+from accum_jax._schedules import EveryKSchedule, NoiseScaleSchedule, check_every_k
+from accum_jax._state import AccumulationState, window_sum
 
 
 class ShouldSkipUpdateFunction(Protocol):
@@ -41,238 +36,12 @@ class ShouldSkipUpdateFunction(Protocol):
     ...
 
 
-class AccumulationState(NamedTuple):
-  """State of :func:`accumulate`.
-
-  The names ``mini_step``, ``gradient_step``, ``acc_grads`` and
-  ``inner_opt_state`` read as in ``optax.MultiStepsState``.
-  """
-
-  # The current window; see _core.Accumulator. After a window closes, `total`
-  # keeps its sum until the next call adds to zeros: read `acc_grads`, which
-  # is zeros while the window holds no call (count == 0).
-  accumulator: _core.Accumulator
-  optimizer_step: jax.Array  # shape=(), dtype=int32: updates emitted so far
-  inner_opt_state: Any  # the inner optimizer's state, advanced only on updates
-  last_updated: jax.Array  # shape=(), dtype=bool: did the last call update
-  num_empty_windows: jax.Array  # shape=(), dtype=int32: windows of zero weight
-  # The window's `value=` arguments (losses) and their weights: the inner
-  # optimizer gets their weighted mean; total shape=(), dtype=float32.
-  value_accumulator: _core.Accumulator
-  # The `value=` the inner optimizer got on the last update: the last applied
-  # window's loss, weighted as its gradient (0 until one is); shape=(),
-  # dtype=float32. What to log as the window's loss.
-  window_value: jax.Array
-  skip_state: Any = ()  # what MultiSteps' should_skip_update_fn reported
-  # With gradient_noise (or a noise_scale_every_k schedule); () otherwise:
-  noise: Any = ()  # _noise.NoiseSums of the current window's calls
-  last_noise: Any = ()  # GradientNoise of the last applied window (NaN before)
-  noise_ema: Any = ()  # NoiseScaleEMA, with a noise_scale_every_k schedule
-  window_length: Any = ()  # shape=(), int32: k of the current window, likewise
-
-  @property
-  def mini_step(self) -> jax.Array:
-    """Calls accumulated in the current window; shape=(), dtype=int32."""
-    return self.accumulator.count
-
-  @property
-  def gradient_step(self) -> jax.Array:
-    """Alias of ``optimizer_step``, the name ``optax.MultiSteps`` uses."""
-    return self.optimizer_step
-
-  @property
-  def acc_grads(self) -> Any:
-    """The window's weighted gradient sum, in the accumulator dtype.
-
-    For an accumulator narrower than float32 (``accumulator_dtype=None`` with
-    float16 or bfloat16 gradients), the weighted mean, as ``optax.MultiSteps``
-    keeps it: a float16 sum overflows where the mean does not. Zeros while the
-    window holds no call.
-    """
-    if isinstance(self.accumulator.count, jax.ShapeDtypeStruct):
-      return self.accumulator.total  # an abstract state (a restore target): no values
-    return _window_sum(self.accumulator)
-
-  @property
-  def num_skipped(self) -> jax.Array:
-    """Calls skipped so far: a gradient or ``value`` that was not finite, a traced
-    weight that was negative or not finite, a call a skip function rejected, or
-    the calls of a window whose weighted sum (``reduction="sum"``) overflows the
-    gradients' float16 or bfloat16 dtype; int32 scalar."""
-    return self.accumulator.num_skipped
-
-
-class NoiseScaleSchedule(NamedTuple):
-  """A window length that follows the measured critical batch size.
-
-  Made by :func:`noise_scale_every_k`; pass it as ``accumulate(every_k=...)``.
-
-  Examples:
-    >>> import accum_jax
-    >>> schedule = accum_jax.noise_scale_every_k(8, k_max=32)
-    >>> schedule.k_min, schedule.k_max, schedule.monotone
-    (2, 32, True)
-  """
-
-  microbatch_size: float
-  k_min: int
-  k_max: int
-  decay: float
-  monotone: bool
-
-  def next_k(self, ema: _noise.NoiseScaleEMA, k: jax.Array) -> jax.Array:
-    """``clip(round(B_simple / microbatch_size), k_min, k_max)``; ``k`` while unknown."""
-    b_simple = ema.simple_noise_scale
-    known = jnp.isfinite(b_simple) & (b_simple > 0)
-    new = jnp.round(jnp.where(known, b_simple, 0.0) / self.microbatch_size)
-    new = jnp.clip(new, self.k_min, self.k_max).astype(jnp.int32)
-    if self.monotone:
-      new = jnp.maximum(new, k)
-    return jnp.where(known, new, k)
-
-
-def noise_scale_every_k(
-    microbatch_size: float,
-    *,
-    k_max: int,
-    k_min: int = 2,
-    decay: float = 0.9,
-    monotone: bool = True,
-) -> NoiseScaleSchedule:
-  """``every_k`` for :func:`accumulate` that follows the gradient noise scale.
-
-  The state keeps a :class:`accum_jax.NoiseScaleEMA` of each window's
-  :class:`accum_jax.GradientNoise`; when a window is applied, the next one's
-  length becomes ``k = clip(round(B_simple / microbatch_size), k_min, k_max)``
-  (never less than before with ``monotone``): a batch-size warm-up that follows
-  the critical batch size as training finds it. ``k`` is a traced value, so a
-  change does not recompile; it changes only between windows. The learning
-  rate stays per optimizer step (see the noise-scale guide).
-
-  Args:
-    microbatch_size: the weight of one call, in the unit of ``weight=``: its
-      examples or tokens (1 when calls pass no weight: ``B_simple`` is then
-      counted in calls).
-    k_max: the longest window.
-    k_min: the shortest window, and the first; at least 2, as the spread of
-      the calls' gradients needs two of them.
-    decay: of the moving averages, in [0, 1).
-    monotone: never shorten the window.
-
-  Returns:
-    A :class:`NoiseScaleSchedule`, for ``accumulate(inner, every_k=...)``.
-
-  Examples:
-    >>> import optax, accum_jax
-    >>> opt = accum_jax.accumulate(
-    ...     optax.adam(1e-3), every_k=accum_jax.noise_scale_every_k(32, k_max=16))
-  """
-  if not float(microbatch_size) > 0:
-    raise ValueError(
-        f"microbatch_size={microbatch_size!r} must be positive: the weight of one call"
-        " (its examples or tokens; 1 when calls pass no weight=)."
-    )
-  k_min_, k_max_ = _core.positive_int(k_min), _core.positive_int(k_max)
-  if k_min_ is None or k_max_ is None or not 2 <= k_min_ <= k_max_:
-    raise ValueError(
-        f"k_min={k_min!r} and k_max={k_max!r} must be ints with 2 <= k_min <= k_max: a"
-        " window of one call shows no spread between gradients, so no noise scale."
-    )
-  _noise.NoiseScaleEMA.create(decay)  # checks decay
-  return NoiseScaleSchedule(float(microbatch_size), k_min_, k_max_, float(decay), monotone)
-
-
-def _check_every_k(every_k: Any, name: str) -> EveryKSchedule:
-  if callable(every_k):
-    return every_k
-  k = _core.positive_int(every_k)
-  if k is None:
-    raise ValueError(
-        f"{name}={every_k!r} must be an int >= 1 (the number of calls per"
-        " update) or a callable from the optimizer step to that number; use"
-        " 1 for no accumulation."
-    )
-  return lambda optimizer_step: k
-
-
-def _check_tree_matches(grads: Any, like: Any) -> None:
-  structure: Any = jax.tree.structure(grads)
-  expected: Any = jax.tree.structure(like)
-  if structure != expected:
-    raise ValueError(
-        f"The gradients' tree structure {structure} differs from the"
-        f" parameters' given to init, {expected}. Pass gradients taken with"
-        " respect to the same parameters (jax.grad of the params pytree)."
-    )
-  for (path, g), t in zip(jax.tree.leaves_with_path(grads), jax.tree.leaves(like)):
-    if jnp.shape(g) != jnp.shape(t):
-      raise ValueError(
-          f"The gradient at {jax.tree_util.keystr(path)} has shape"
-          f" {jnp.shape(g)} but the parameter has shape {jnp.shape(t)}. Pass"
-          " gradients with the parameters' shapes."
-      )
-
-
-def _check_weight(weight: Any) -> None:
-  if weight is None:
-    return
-  if jnp.ndim(weight) != 0:
-    raise ValueError(
-        f"weight must be a scalar (e.g. this microbatch's number of valid"
-        f" tokens), got an array of shape {jnp.shape(weight)}. Reduce it, e.g."
-        " weight=mask.sum()."
-    )
-  if not isinstance(weight, jax.core.Tracer) and not 0 <= float(weight) < math.inf:
-    raise ValueError(
-        f"weight={float(weight)} must be a finite number >= 0 (e.g. a count of"
-        " valid tokens). Under jit such a weight is skipped and counted in"
-        " state.num_skipped instead."
-    )
-
-
 def _cast_like(new: Any, old: Any) -> Any:
   # Some optimizers return state leaves with wider or weak dtypes than init
   # made; both branches of the conditional must agree.
   return jax.tree.map(
       lambda n, o: jax.lax.convert_element_type(n, jnp.result_type(o)), new, old
   )
-
-
-def _check_flush(flush: Any) -> jax.Array:
-  """``flush`` as a bool scalar; None (as for ``weight``) means no flush."""
-  if flush is None:
-    return jnp.array(False)
-  if jnp.ndim(flush) != 0:
-    raise ValueError(
-        f"flush must be a scalar bool (True on the last call of an epoch), got an array"
-        f" of shape {jnp.shape(flush)}."
-    )
-  dtype = jnp.result_type(flush)
-  if not (jnp.issubdtype(dtype, jnp.bool_) or jnp.issubdtype(dtype, jnp.integer)):
-    raise ValueError(
-        f"flush must be a bool (True on the last call of an epoch), got a value of dtype"
-        f" {dtype}: {flush!r}. Pass a Python bool or a bool array, e.g."
-        " flush=step == steps_per_epoch - 1."
-    )
-  return jnp.asarray(flush, bool)
-
-
-# Extra arguments of `update` that describe this call's batch: the inner optimizer
-# gets the window's, not the emitting call's. `value` (the loss, for polyak_sgd,
-# reduce_on_plateau, line searches) is reduced over the window's kept calls like
-# the gradient; `grad` (line searches: the gradient at `params`) is the window's
-# gradient itself. Every other extra argument (`value_fn`, hyperparameters...) is
-# taken from the emitting call.
-WINDOW_ARGS = ("value", "grad")
-
-
-def _check_value(value: Any) -> None:
-  if jnp.ndim(value) != 0:
-    raise ValueError(
-        f"value must be a scalar loss (this call's), got an array of shape"
-        f" {jnp.shape(value)}. Pass the mean loss of the microbatch, e.g."
-        " value=loss where loss, grads = jax.value_and_grad(loss_fn)(params, batch)."
-    )
 
 
 def _restart_where(done: jax.Array, acc: _core.Accumulator) -> _core.Accumulator:
@@ -285,28 +54,9 @@ def _restart_where(done: jax.Array, acc: _core.Accumulator) -> _core.Accumulator
   )
 
 
-def _window_sum(acc: _core.Accumulator) -> Any:
-  """The window's sum: ``acc.total``, or zeros while the window holds no call.
-
-  A closed window's sum stays in the accumulator until the next call, whose
-  addition starts from these zeros instead, in the same pass. Emptying it when
-  the window closes would cost every call that only accumulates a pass more (a
-  select after the conditional, whose emitting branch reads the window), or a
-  copy of it (XLA does not write a conditional's output in place).
-  """
-  empty = jnp.asarray(acc.count) == 0
-
-  def masked(total):
-    # States stacked by a scan have the same leading axes on the count.
-    where = jnp.reshape(empty, empty.shape + (1,) * (jnp.ndim(total) - empty.ndim))
-    return jnp.where(where, jnp.zeros((), total.dtype), total)
-
-  return jax.tree.map(masked, acc.total)
-
-
 def _close_where(done: jax.Array, acc: _core.Accumulator) -> _core.Accumulator:
   """The window closed where ``done``: its counters restart; its sum stays (see
-  :func:`_window_sum`), and so does the skip count."""
+  :func:`accum_jax._state.window_sum`), and so does the skip count."""
   return acc._replace(weight=jnp.where(done, 0.0, acc.weight), count=jnp.where(done, 0, acc.count))
 
 
@@ -327,6 +77,7 @@ class _Options(NamedTuple):
   accumulator_dtype: Any
   skip_nonfinite: bool
   skip_fn: ShouldSkipUpdateFunction
+  layout: str  # "tree": the accumulator is the gradient's tree; "flat": see _flat
 
 
 class _Call(NamedTuple):
@@ -334,6 +85,10 @@ class _Call(NamedTuple):
 
   grads: Any
   kinds: tuple[str, ...]  # how each gradient leaf combines (_core.per_leaf)
+  # What the accumulator adds: `grads` itself (tree layout), or their group
+  # vectors (flat layout), with the kinds of its leaves.
+  addend: Any
+  addend_kinds: tuple[str, ...]
   params: Any
   weight: Any  # a scalar, or None: the call weighs 1
   flush: jax.Array  # shape=(), dtype=bool
@@ -356,10 +111,10 @@ class _Window(NamedTuple):
 
 def _make_options(
     inner, every_k, *, reduction, accumulator_dtype, skip_nonfinite, should_skip_update_fn,
-    every_k_name, gradient_noise,
+    every_k_name, gradient_noise, layout="tree",
 ) -> _Options:
   by_noise = every_k if isinstance(every_k, NoiseScaleSchedule) else None
-  schedule = None if by_noise else _check_every_k(every_k, every_k_name)
+  schedule = None if by_noise else check_every_k(every_k, every_k_name)
   _options.check_grad_reduction(reduction, "reduction")
   return _Options(
       inner=optax.with_extra_args_support(inner),
@@ -371,6 +126,7 @@ def _make_options(
       accumulator_dtype=_core.canonicalize_accumulator_dtype(accumulator_dtype),
       skip_nonfinite=skip_nonfinite,
       skip_fn=should_skip_update_fn or _no_skip,
+      layout=_flat.check_layout(layout),
   )
 
 
@@ -383,10 +139,9 @@ def _init(options: _Options, params: Any) -> AccumulationState:
   inner_state = options.inner.init(params)
   # A noise transformation inside must see the window's sum, and optax's DP
   # aggregate cannot run here at all (it needs per-example gradients).
-  from accum_jax import privacy  # here: privacy builds on this module
-  privacy.check_inner(inner_state, options.reduction)
+  _inner_checks.check_inner(inner_state, options.reduction)
   return AccumulationState(
-      accumulator=_core.init(grads_like, options.accumulator_dtype, _kinds(options, grads_like)),
+      accumulator=_empty_window(options, grads_like),
       optimizer_step=jnp.zeros((), jnp.int32),
       inner_opt_state=_sharded_like(inner_state, params),
       last_updated=jnp.array(False),
@@ -396,6 +151,15 @@ def _init(options: _Options, params: Any) -> AccumulationState:
       skip_state=skip_state,
       **_init_noise(options.track_noise, options.by_noise),
   )
+
+
+def _empty_window(options: _Options, grads_like: Any) -> _core.Accumulator:
+  """The empty accumulator: the gradient's tree, or its group vectors (flat)."""
+  kinds = _kinds(options, grads_like)
+  if options.layout == "tree":
+    return _core.init(grads_like, options.accumulator_dtype, kinds)
+  layout = _flat.make_layout(grads_like, options.accumulator_dtype, kinds)
+  return _core.init(_flat.zeros(layout), options.accumulator_dtype, layout.group_kinds)
 
 
 def _sharded_like(tree: Any, params: Any) -> Any:
@@ -446,19 +210,36 @@ def _kinds(options: _Options, grads: Any) -> tuple[str, ...]:
   return _options.grad_reductions(options.reduction, grads, "reduction")
 
 
+def _grads_like(total: Any) -> Any:
+  """The tree of shapes the gradients must have: the accumulator's, unflattened."""
+  if not isinstance(total, _flat.Flat):
+    return total
+  layout = total.layout
+  return jax.tree.unflatten(
+      layout.treedef, [jax.ShapeDtypeStruct(shape, jnp.float32) for shape in layout.shapes])
+
+
 def _bind(options, grads, state, params, weight, flush, extra_args) -> _Call:
   """Checks one call's arguments (at trace time) and sorts its extra arguments."""
-  _check_tree_matches(grads, state.accumulator.total)
-  _check_weight(weight)
-  flush = _check_flush(flush)
+  total = state.accumulator.total
+  _update_args.check_tree_matches(grads, _grads_like(total))
+  _update_args.check_weight(weight)
+  flush = _update_args.check_flush(flush)
   extra_args = dict(extra_args)
   value = extra_args.pop("value", None)
   if value is not None:
-    _check_value(value)
+    _update_args.check_value(value)
     value = jnp.asarray(value)
+  kinds = _kinds(options, grads)
+  addend, addend_kinds = grads, kinds
+  if isinstance(total, _flat.Flat):
+    addend = _flat.pack(_flat.checked_layout(total.layout, grads, kinds), grads)
+    addend_kinds = total.layout.group_kinds
   return _Call(
       grads=grads,
-      kinds=_kinds(options, grads),
+      kinds=kinds,
+      addend=addend,
+      addend_kinds=addend_kinds,
       params=params,
       weight=weight,
       flush=flush,
@@ -477,10 +258,10 @@ def _add(options: _Options, call: _Call, state: AccumulationState) -> _Window:
     # A NaN loss is bad data as much as a NaN gradient (and would poison the
     # window's mean loss): the call is skipped.
     accept = accept & jnp.isfinite(call.value)
-  previous = state.accumulator._replace(total=_window_sum(state.accumulator))
+  previous = state.accumulator._replace(total=window_sum(state.accumulator))
   accumulator, kept = _core.add(
-      previous, call.grads, call.weight, skip_nonfinite=options.skip_nonfinite, accept=accept,
-      kinds=call.kinds,
+      previous, call.addend, call.weight, skip_nonfinite=options.skip_nonfinite, accept=accept,
+      kinds=call.addend_kinds,
   )
   value_accumulator = state.value_accumulator
   if call.value is not None:
@@ -490,7 +271,7 @@ def _add(options: _Options, call: _Call, state: AccumulationState) -> _Window:
   # Per call without weight=: B_simple is then counted in calls.
   noise = (
       _noise.add(
-          state.noise, _core.gradient_leaves(call.grads, call.kinds),
+          state.noise, _core.gradient_leaves(call.addend, call.addend_kinds),
           jnp.asarray(1.0 if call.weight is None else call.weight), kept,
       )
       if options.track_noise else ()
@@ -514,7 +295,7 @@ def _drop_overflowing_sum(window: _Window, call: _Call) -> _Window:
   """A float16 sum beyond 65504 would reach the inner optimizer as inf: the
   window is dropped and its calls counted as skipped, like non-finite ones."""
   acc = window.accumulator
-  overflows = window.apply & ~_core.sum_fits(acc, call.grads, call.kinds)
+  overflows = window.apply & ~_core.sum_fits(_as_tree(acc), call.grads, call.kinds)
   return window._replace(
       accumulator=acc._replace(
           num_skipped=acc.num_skipped + jnp.where(overflows, acc.count, 0).astype(jnp.int32)
@@ -523,9 +304,20 @@ def _drop_overflowing_sum(window: _Window, call: _Call) -> _Window:
   )
 
 
+def _as_tree(acc: _core.Accumulator) -> _core.Accumulator:
+  """``acc`` with the gradient's tree as its total (the flat layout's, sliced back)."""
+  if isinstance(acc.total, _flat.Flat):
+    return acc._replace(total=_flat.unpack(acc.total))
+  return acc
+
+
 def _inner_update(options, call, inner_state, window, value_window):
   """The inner optimizer's update on the window's gradient (and `value`)."""
-  grads = _core.result(window, call.grads, call.kinds)
+  if isinstance(window.total, _flat.Flat):
+    vectors = _core.result(window, window.total, call.addend_kinds)
+    grads = _flat.unpack(vectors, like=call.grads)
+  else:
+    grads = _core.result(window, call.grads, call.kinds)
   window_args = {}
   if call.value is not None:
     window_args["value"] = _core.result(value_window, call.value, options.value_reduction)
@@ -534,75 +326,67 @@ def _inner_update(options, call, inner_state, window, value_window):
   return options.inner.update(grads, inner_state, call.params, **call.extra_args, **window_args)
 
 
-def _separate_zeros(shapes: Any, seed: jax.Array) -> Any:
-  """Zeros shaped like ``shapes``, each leaf a value of its own.
+def _held(update_shapes: Any, grads: Any) -> Any:
+  """What the skip branch passes through as the updates: values of their shapes
+  made outside the conditional, each gradient leaf where it fits (cast if need be),
+  else zeros. Which values does not matter: a ``where`` after the conditional
+  makes them zeros."""
+  shapes, treedef = jax.tree.flatten(update_shapes)
+  given = jax.tree.leaves(grads)
+  if len(given) != len(shapes):
+    given = [None] * len(shapes)
 
-  XLA merges equal ``jnp.zeros`` into one array, which it then copies into each
-  output that needs a buffer of its own: with several parameters of one shape, a
-  call that only accumulates would copy all but one of its zero updates. Each
-  floating leaf here broadcasts its own scalar, ``float32(seed + i) * 0``, which
-  XLA can neither fold (``seed`` is only known when the call runs, and a float
-  times 0 is not 0 when it is NaN) nor merge, and writes straight into its output.
-  The product is formed in float32, where ``seed + i`` is finite, so it is 0 in
-  any dtype (float16 or float8 could not hold ``seed + i``).
+  def held(x: jax.ShapeDtypeStruct, g: Any) -> jax.Array:
+    if g is not None and jnp.shape(g) == x.shape:
+      return jnp.asarray(g).astype(x.dtype)
+    return _core.zeros_like(x)
 
-  Args:
-    shapes: ``jax.ShapeDtypeStruct`` leaves (with their shardings).
-    seed: an int32 scalar known only at run time (this call's window count).
+  return jax.tree.unflatten(treedef, [held(x, g) for x, g in zip(shapes, given)])
 
-  Returns:
-    The zeros, a pytree like ``shapes``.
-  """
-  leaves, treedef = jax.tree.flatten(shapes)
 
-  def zeros(i: int, x: jax.ShapeDtypeStruct) -> jax.Array:
-    if not jnp.issubdtype(x.dtype, jnp.inexact):
-      return _core.zeros_like(x)
-    zero = ((seed + i).astype(jnp.float32) * 0).astype(x.dtype)
-    return _core.zeros_like(x) + zero
-
-  return jax.tree.unflatten(treedef, [zeros(i, x) for i, x in enumerate(leaves)])
+def _zero_unless(apply: jax.Array, updates: Any) -> Any:
+  """``updates`` where ``apply``, else zeros: a select that fuses with the add of
+  ``optax.apply_updates`` in the caller's step."""
+  return jax.tree.map(lambda u: jnp.where(apply, u, jnp.zeros((), u.dtype)), updates)
 
 
 def _step_inner(options, call, state, window) -> tuple[Any, Any, Any]:
   """The updates, the inner state and the last window's noise, after this call.
 
-  A conditional, not a select: the inner update is not computed at all on the
-  calls that only accumulate, which return zeros and pass the inner state
-  through. The window's sum does not go through it: the addition writes it in
-  place before, and the emitting branch only reads it. The zeros are written
-  straight into their outputs (:func:`_separate_zeros`): with the state donated
-  and returned first, or with the gradients donated too, such a call copies no
-  parameter-sized array.
-
-  What no layout of the state avoids: without donation XLA copies the inner
-  state on every call, as an output may not share an input's buffer
-  (optax.MultiSteps rewrites it on every call instead); and with only the state
-  donated to ``jax.jit(tx.update)``, the updates take the state's first
-  parameter-shaped buffers, so each parameter-shaped leaf of the state, the
-  inner optimizer's moments among them, moves into the next one's buffer (the
-  last ones into new buffers).
+  A conditional that every backend keeps, so that the inner update runs on the
+  emitting call alone. XLA:GPU replaces a two-branch conditional whose branches
+  hold only cheap operations (elementwise, broadcasts, reductions: Adam's whole
+  update) by selects, and then runs both branches on every call; it keeps one
+  whose other branch only passes its operands through
+  (:func:`accum_jax.testing.gpu_conditionals` predicts which). So the skip
+  branch here returns its operands as they are: the inner state, the last
+  window's noise, and values shaped like the updates (:func:`_held`); the zero
+  updates are a ``where`` after the conditional (:func:`_zero_unless`), and the
+  window's restart is one in :func:`_next_state`. The window's sum does not go
+  through the conditional as an output: the addition writes it in place before,
+  and the emitting branch only reads it.
   """
   inner_update = functools.partial(_inner_update, options, call)
-  # The shapes, dtypes and shardings of the inner update, for the zeros of
-  # the other branch (an abstract trace; nothing is computed).
+  # The shapes and dtypes of the inner update (an abstract trace; nothing is computed).
   update_shapes, _ = jax.eval_shape(
       inner_update, state.inner_opt_state, window.accumulator, window.value_accumulator
   )
 
-  def emit(inner_state, acc, value_window):
+  def emit(inner_state, acc, value_window, last_noise, held):
+    del last_noise
     new_updates, new_inner_state = inner_update(inner_state, acc, value_window)
     window_noise = _window_noise(window.noise, acc, call) if options.track_noise else ()
-    return new_updates, _cast_like(new_inner_state, inner_state), window_noise
+    return _cast_like(new_updates, held), _cast_like(new_inner_state, inner_state), window_noise
 
-  def hold(inner_state, acc, value_window):
-    del value_window
-    return _separate_zeros(update_shapes, acc.count), inner_state, state.last_noise
+  def hold(inner_state, acc, value_window, last_noise, held):
+    del acc, value_window
+    return held, inner_state, last_noise
 
-  return jax.lax.cond(
+  updates, inner_state, last_noise = jax.lax.cond(
       window.apply, emit, hold, state.inner_opt_state, window.accumulator,
-      window.value_accumulator,
+      window.value_accumulator, state.last_noise, _held(update_shapes, call.grads),
   )
+  return _zero_unless(window.apply, updates), inner_state, last_noise
 
 
 def _next_state(options, call, state, window, inner_state, last_noise) -> AccumulationState:
@@ -646,11 +430,12 @@ def _accumulate(
     should_skip_update_fn: ShouldSkipUpdateFunction | None = None,
     every_k_name: str = "every_k",
     gradient_noise: bool = False,
+    layout: str = "tree",
 ) -> optax.GradientTransformationExtraArgs:
   options = _make_options(
       inner, every_k, reduction=reduction, accumulator_dtype=accumulator_dtype,
       skip_nonfinite=skip_nonfinite, should_skip_update_fn=should_skip_update_fn,
-      every_k_name=every_k_name, gradient_noise=gradient_noise,
+      every_k_name=every_k_name, gradient_noise=gradient_noise, layout=layout,
   )
 
   def init_fn(params):
@@ -683,7 +468,7 @@ def _window_noise(noise: Any, window: _core.Accumulator, call: _Call) -> Any:
   """The window's GradientNoise, from its sums and its mean gradient's norm, read
   off the accumulator (of the gradient leaves, "sum" ones as means: statistics
   are left out)."""
-  totals = _core.gradient_leaves(window.total, call.kinds)
+  totals = _core.gradient_leaves(window.total, call.addend_kinds)
   factor = 1.0 / jnp.where(window.weight > 0, window.weight, 1.0)
   return _noise.estimate(noise, _noise.mean_squared_norm(totals, factor))
 
@@ -719,6 +504,7 @@ def accumulate(
     accumulator_dtype: Any = jnp.float32,
     skip_nonfinite: bool = True,
     gradient_noise: bool = False,
+    layout: str = "tree",
 ) -> optax.GradientTransformationExtraArgs:
   """Accumulates gradients over ``every_k`` calls, then runs ``inner`` once.
 
@@ -749,6 +535,12 @@ def accumulate(
       gradient or ``value`` holds NaN or Inf.
     gradient_noise: estimate the gradient noise from the calls' gradients, read
       with :func:`accum_jax.gradient_noise`.
+    layout: ``"tree"`` (default) keeps the window's sum as the gradient's tree,
+      sharded like the parameters; ``"flat"`` as one vector per accumulator dtype,
+      so that a call that only accumulates runs one concatenating add and one
+      finiteness check whatever the number of leaves (on a GPU, where each kernel
+      costs 10-15 us, the cheaper for many small leaves). The flat layout refuses
+      parameters sharded over a mesh axis and statistics leaves ("max", "last").
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose ``update(grads, state,
@@ -781,165 +573,5 @@ def accumulate(
       accumulator_dtype=accumulator_dtype,
       skip_nonfinite=skip_nonfinite,
       gradient_noise=gradient_noise,
+      layout=layout,
   )
-
-
-def every_k_schedule(
-    boundaries: Mapping[int, int],
-) -> EveryKSchedule:
-  """A piecewise-constant window length: ``{optimizer_step: k}``.
-
-  From each optimizer step named (updates so far) on, ``k`` calls make an
-  update, like PyTorch Lightning's ``GradientAccumulationScheduler``; before
-  the first one, 1. Use it to warm the batch size up without recompiling.
-
-  Args:
-    boundaries: a mapping from optimizer steps (ints >= 0) to window lengths
-      (ints >= 1).
-
-  Returns:
-    A callable from the optimizer step to k, for ``accumulate(every_k=...)``.
-
-  Examples:
-    >>> import jax.numpy as jnp, accum_jax
-    >>> schedule = accum_jax.every_k_schedule({0: 1, 10: 4, 100: 8})
-    >>> [int(schedule(jnp.int32(s))) for s in (0, 9, 10, 99, 100, 5000)]
-    [1, 1, 4, 4, 8, 8]
-  """
-  if not isinstance(boundaries, Mapping):
-    raise ValueError(
-        f"boundaries={boundaries!r} is a {type(boundaries).__name__}, not a mapping: pass a"
-        " dict from optimizer steps to window lengths, e.g. {0: 1, 1000: 4}"
-        " (dict(pairs) turns a list of (step, k) pairs into one)."
-    )
-  if not boundaries:
-    raise ValueError(
-        "boundaries is empty: pass a mapping such as {0: 1, 1000: 4}, from an"
-        " optimizer step to the number of calls per update from then on."
-    )
-  for step, k in boundaries.items():
-    if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
-      raise ValueError(
-          f"boundaries has the key {step!r}: keys are optimizer steps, ints >= 0."
-      )
-    if _core.positive_int(k) is None:
-      hint = (
-          " To compute k from the step with a function, pass the function itself as"
-          " every_k (accumulate(inner, every_k=fn))."
-          if callable(k)
-          else ""
-      )
-      raise ValueError(
-          f"boundaries[{step}]={k!r} must be an int >= 1, the number of calls per"
-          f" update from optimizer step {step} on.{hint}"
-      )
-  steps = sorted(boundaries)
-  starts = jnp.array(steps, jnp.int32)
-  ks = jnp.array([1] + [int(boundaries[s]) for s in steps], jnp.int32)
-
-  def schedule(optimizer_step: jax.Array) -> jax.Array:
-    return ks[jnp.searchsorted(starts, optimizer_step, side="right")]
-
-  return schedule
-
-
-def _find_state(state: Any, caller: str) -> AccumulationState:
-  def is_state(x):
-    return isinstance(x, AccumulationState)
-
-  found = [x for x in jax.tree.leaves(state, is_leaf=is_state) if is_state(x)]
-  if not found:
-    raise ValueError(
-        f"{caller} found no accum_jax.accumulate state in {type(state).__name__}."
-        " Pass the optimizer state that accumulate(...).init returned, or one"
-        " that holds it (an optax.chain state, a Flax TrainState, an nnx.Optimizer)."
-    )
-  if len(found) > 1:
-    raise ValueError(
-        f"{caller} found {len(found)} accum_jax.accumulate states in"
-        f" {type(state).__name__}, and cannot tell which one you mean. Pass that one"
-        " (e.g. one branch of an optax.multi_transform state)."
-    )
-  return found[0]
-
-
-def has_updated(state: Any) -> jax.Array:
-  """Whether the last ``update`` applied the inner optimizer.
-
-  Args:
-    state: the state of :func:`accumulate` or :class:`accum_jax.MultiSteps`,
-      or any pytree holding exactly one (an ``optax.chain`` state, a Flax
-      ``TrainState`` or its ``opt_state``, an ``nnx.Optimizer`` or its
-      ``opt_state``).
-
-  Returns:
-    A bool scalar; jit-friendly.
-
-  Examples:
-    >>> import jax.numpy as jnp, optax, accum_jax
-    >>> opt = optax.chain(optax.clip(1.0), accum_jax.accumulate(optax.sgd(0.1), every_k=2))
-    >>> state = opt.init({"w": jnp.zeros(2)})
-    >>> _, state = opt.update({"w": jnp.ones(2)}, state)
-    >>> bool(accum_jax.has_updated(state))
-    False
-  """
-  # asarray unwraps array-likes such as the nnx.Variables of an nnx.Optimizer.
-  return jnp.asarray(_find_state(state, "has_updated").last_updated)
-
-
-def optimizer_step(state: Any) -> jax.Array:
-  """The number of updates the inner optimizer has applied.
-
-  Unlike Flax's ``TrainState.step`` and ``nnx.Optimizer.step``, which count
-  calls, this counts real optimizer updates: what the inner optimizer's own
-  schedules see.
-
-  Args:
-    state: as for :func:`has_updated`.
-
-  Returns:
-    An int32 scalar; jit-friendly.
-
-  Examples:
-    >>> import jax.numpy as jnp, optax, accum_jax
-    >>> opt = accum_jax.accumulate(optax.sgd(0.1), every_k=2)
-    >>> state = opt.init({"w": jnp.zeros(2)})
-    >>> for _ in range(5):
-    ...   _, state = opt.update({"w": jnp.ones(2)}, state)
-    >>> int(accum_jax.optimizer_step(state)), int(state.mini_step)
-    (2, 1)
-  """
-  return jnp.asarray(_find_state(state, "optimizer_step").optimizer_step)
-
-
-def gradient_noise(state: Any) -> _noise.GradientNoise:
-  """The :class:`accum_jax.GradientNoise` of the last applied window.
-
-  Args:
-    state: as for :func:`has_updated`, of an ``accumulate(...,
-      gradient_noise=True)`` (or with a :func:`noise_scale_every_k` schedule).
-
-  Returns:
-    ``grad_sq`` and ``trace_cov`` (NaN before the first window, or for a window
-    of fewer than two kept calls), per unit of the calls' ``weight``.
-
-  Examples:
-    >>> import jax.numpy as jnp, optax, accum_jax
-    >>> opt = accum_jax.accumulate(optax.sgd(0.1), every_k=2, gradient_noise=True)
-    >>> params = {"w": jnp.zeros(1)}
-    >>> state = opt.init(params)
-    >>> for g in (1.0, 3.0):
-    ...   _, state = opt.update({"w": jnp.array([g])}, state, params)
-    >>> noise = accum_jax.gradient_noise(state)  # calls of 1 and 3: mean 2, spread 2
-    >>> float(noise.trace_cov), float(noise.grad_sq)
-    (2.0, 3.0)
-  """
-  found = _find_state(state, "gradient_noise")
-  if isinstance(found.last_noise, tuple) and found.last_noise == ():
-    raise ValueError(
-        "gradient_noise found an accumulate state that does not measure the noise: build"
-        " it with accum_jax.accumulate(..., gradient_noise=True), or with"
-        " every_k=accum_jax.noise_scale_every_k(...)."
-    )
-  # jnp.asarray unwraps the nnx.Variables of an nnx.Optimizer's state.
-  return _noise.GradientNoise(*(jnp.asarray(x) for x in found.last_noise))

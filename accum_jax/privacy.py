@@ -39,7 +39,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from accum_jax import _transform
+from accum_jax import _schedules, _state, _transform
+from accum_jax._inner_checks import (
+  DP_AGGREGATE_STATE,
+  RECIPE,
+  GaussianNoiseState,
+  check_inner,
+  nodes,
+)
 
 __all__ = (
     "ClippedGradSum",
@@ -59,11 +66,6 @@ _UNBOUNDED = 2**31 - 1
 # Arguments of accumulate's update that accumulate consumes: an inner transformation
 # never receives them, so a noise transformation that does sits outside accumulate.
 _ACCUMULATE_ARGUMENTS = ("flush", "weight")
-_RECIPE = (
-    "accum_jax.privacy.accumulate_private(inner, ...), or"
-    " accum_jax.accumulate(optax.chain(accum_jax.privacy.dp_aggregate(...), inner), every_k,"
-    " reduction='sum')"
-)
 
 
 def _number(value: Any, name: str, *, positive: bool, meaning: str) -> float:
@@ -231,24 +233,6 @@ def clipped_grad_sum(
 # Noise, once per window.
 
 
-class GaussianNoiseState(NamedTuple):
-  """State of :func:`add_gaussian_noise`: a base key and the draws so far.
-
-  Draw ``t`` (from 0) uses ``jax.random.fold_in(key, t)``: the noise of every window
-  follows from the key and the count, and a restored checkpoint continues it.
-
-  Examples:
-    >>> import jax, jax.numpy as jnp, accum_jax.privacy
-    >>> noise = accum_jax.privacy.add_gaussian_noise(1.0, jax.random.key(0))
-    >>> state = noise.init({"w": jnp.zeros(2)})
-    >>> int(state.num_draws)
-    0
-  """
-
-  key: jax.Array  # the base key, never changed: typed, shape=(), or raw uint32, (2,)
-  num_draws: jax.Array  # shape=(), dtype=int32: noise draws so far
-
-
 def _check_key(key: Any) -> jax.Array:
   if isinstance(key, numbers.Integral) and not isinstance(key, bool):
     return jax.random.key(int(key))
@@ -271,7 +255,7 @@ def _refuse_accumulate_arguments(extra_args: dict[str, Any]) -> None:
           f"add_gaussian_noise got {name}=, an argument of accum_jax.accumulate's update:"
           " it sits outside accumulate (before it in an optax.chain), where it adds noise"
           " to every call's gradient instead of once per logical batch. Put it inside, as"
-          f" the first link of accumulate's inner optimizer: {_RECIPE}."
+          f" the first link of accumulate's inner optimizer: {RECIPE}."
       )
 
 
@@ -400,7 +384,7 @@ def dp_aggregate(
 
 def accumulate_private(
     inner: optax.GradientTransformation,
-    every_k: int | _transform.EveryKSchedule | None = None,
+    every_k: int | _schedules.EveryKSchedule | None = None,
     *,
     l2_clip: float,
     noise_multiplier: float,
@@ -488,68 +472,6 @@ def accumulate_private(
 # Refusals: what silently breaks DP-SGD with accumulation.
 
 
-def _nodes(tree: Any, kinds: tuple[type, ...]) -> list[Any]:
-  """The outermost nodes of ``tree`` that are instances of ``kinds``."""
-  def is_kind(x):
-    return isinstance(x, kinds)
-
-  return [x for x in jax.tree.leaves(tree, is_leaf=is_kind) if is_kind(x)]
-
-
-_DP_AGGREGATE_STATE = optax.contrib.DifferentiallyPrivateAggregateState
-
-
-def check_inner(inner_state: Any, reduction: Any = "sum") -> None:
-  """Refuses an inner optimizer of ``accumulate`` that breaks DP-SGD.
-
-  Call it on the state of ``accumulate``'s inner optimizer (``state.inner_opt_state``)
-  with ``accumulate``'s ``reduction``. It raises if the state holds:
-
-  * an ``optax.contrib.differentially_private_aggregate``: it takes per-example
-    gradients (a leading example axis), adds noise and divides by that axis's size;
-    after accumulation there is no example axis. Clip per example before
-    accumulating, and put :func:`dp_aggregate` in its place.
-  * an :func:`add_gaussian_noise` while ``reduction`` is a string other than
-    ``"sum"``: the noise would be added to the window's mean, whose divisor is the
-    calls' total weight, the realised batch size. (A per-leaf pytree or callable
-    ``reduction``, or None, is not checked.)
-
-  Args:
-    inner_state: the inner optimizer's state, or any pytree holding it.
-    reduction: ``accumulate``'s ``reduction``.
-
-  Raises:
-    ValueError: with what to use instead.
-
-  Examples:
-    >>> import jax.numpy as jnp, optax, accum_jax.privacy
-    >>> inner = optax.chain(optax.contrib.differentially_private_aggregate(1.0, 1.0, key=0),
-    ...                     optax.sgd(0.1))
-    >>> accum_jax.privacy.check_inner(inner.init({"w": jnp.zeros(2)}))  # doctest: +ELLIPSIS
-    Traceback (most recent call last):
-    ...
-    ValueError: optax.contrib.differentially_private_aggregate cannot run inside ...
-  """
-  if _nodes(inner_state, (_DP_AGGREGATE_STATE,)):
-    raise ValueError(
-        "optax.contrib.differentially_private_aggregate cannot run inside"
-        " accum_jax.accumulate: it takes per-example gradients (a leading example axis),"
-        " adds noise and divides by that axis's size, but accumulate hands its inner"
-        " optimizer the window's summed gradient, which has no example axis. Clip per"
-        " example before accumulating (accum_jax.privacy.clipped_grad_sum) and replace it"
-        f" with accum_jax.privacy.dp_aggregate: {_RECIPE}."
-    )
-  if isinstance(reduction, str) and reduction != "sum" and _nodes(
-      inner_state, (GaussianNoiseState,)):
-    raise ValueError(
-        f"add_gaussian_noise is inside accum_jax.accumulate(..., reduction={reduction!r}):"
-        " the noise would be added to the window's mean, divided by the calls' total"
-        " weight (the realised batch size), not to its sum. Pass reduction='sum' (with"
-        " MultiSteps, use_grad_mean=False) and divide by the expected batch size after"
-        f" the noise: {_RECIPE}."
-    )
-
-
 def check_state(opt_state: Any) -> None:
   """Refuses an optimizer state in which DP-SGD's noise runs on every call.
 
@@ -577,8 +499,8 @@ def check_state(opt_state: Any) -> None:
     ...
     ValueError: add_gaussian_noise sits outside accum_jax.accumulate: ...
   """
-  accumulation = _transform.AccumulationState
-  found = _nodes(opt_state, (accumulation, GaussianNoiseState, _DP_AGGREGATE_STATE))
+  accumulation = _state.AccumulationState
+  found = nodes(opt_state, (accumulation, GaussianNoiseState, DP_AGGREGATE_STATE))
   accumulations = [x for x in found if isinstance(x, accumulation)]
   if not accumulations:
     return
@@ -593,7 +515,7 @@ def check_state(opt_state: Any) -> None:
         f"{name} sits outside accum_jax.accumulate: it runs on every call, adding noise"
         " to each physical batch's gradient, which accumulate then combines: a window of"
         " k calls gets k draws instead of one, and the accountant's count of optimizer"
-        f" steps no longer counts the draws. Put the noise inside: {_RECIPE}."
+        f" steps no longer counts the draws. Put the noise inside: {RECIPE}."
     )
   for state in accumulations:
     check_inner(state.inner_opt_state, reduction=None)

@@ -304,21 +304,43 @@ def test_a_call_that_only_accumulates_copies_only_what_the_form_moves(form):
   floor = _full_size_copies(_lower(form, _bare_add, params, grads, None).compile(), params)
   largest = max(x.size for x in jax.tree.leaves(params))
   moments = sum(x.size == largest for x in jax.tree.leaves(state.inner_opt_state))
+  # The conditional's skip branch passes the gradient through as the updates (so
+  # that XLA:GPU keeps it), and a gradient the caller keeps is copied there once.
+  held = sum(x.size == largest for x in jax.tree.leaves(grads))
   if form == "jax.jit(tx.update, donate_argnums=1)":
     # The updates come first and take the accumulator's buffers, and each state
     # leaf the next one's: Adam's moments move on every call, at most one copy
     # each more than the floor, whose zero updates take its accumulator's buffers.
-    assert copies <= floor + moments, (copies, floor, moments)
+    assert copies <= floor + moments + held, (copies, floor, moments)
   elif form == "jax.jit(tx.update), nothing donated":
-    # Every output is a new buffer: the moments passed through are copied,
-    # nothing else (the floor copies one zero array into its other updates).
-    assert copies <= moments, (copies, floor, moments)
-  else:
-    # Each state leaf keeps its buffer (the updates take new ones, or the
-    # gradients'): the sum is added in place, the moments stay where they are,
-    # and each zero update is written where it is returned (the floor writes one
-    # and copies it into the others).
+    # Every output is a new buffer: the moments passed through are copied, and
+    # the gradient held, nothing else.
+    assert copies <= moments + held, (copies, floor, moments)
+  elif form == "jax.jit(tx.update, donate_argnums=(0, 1))":
+    # Each state leaf keeps its buffer, and the updates take the gradients'.
     assert copies == 0, (copies, floor)
+  else:
+    # Each state leaf keeps its buffer: the sum is added in place, the moments
+    # stay where they are; only the gradient held for the updates is copied.
+    assert copies == held, (copies, floor)
+
+
+def test_a_call_that_takes_its_gradient_in_the_same_step_copies_nothing():
+  # As a training step is written: the gradient is computed in the step, so its
+  # buffer is free to become the updates the skip branch passes through.
+  params = {f"layer{i}": {"w": jnp.ones((32, 32)), "b": jnp.ones(32)} for i in range(3)}
+  opt = accum_jax.accumulate(optax.adam(1e-3), every_k=4)
+
+  def step(state, params, x):
+    def loss(p):
+      return sum(jnp.sum(jnp.tanh(x @ layer["w"]) + layer["b"]) for layer in p.values())
+
+    updates, state = opt.update(jax.grad(loss)(params), state, params)
+    return state, optax.apply_updates(params, updates)
+
+  compiled = jax.jit(step, donate_argnums=(0, 1)).lower(
+      opt.init(params), params, jnp.ones((4, 32))).compile()
+  assert _full_size_copies(compiled, params) == 0
 
 
 # ---------------------------------------------------------------------------

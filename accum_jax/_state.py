@@ -1,0 +1,200 @@
+"""The state of :func:`accum_jax.accumulate` and the functions that read it.
+
+The readers (:func:`has_updated`, :func:`optimizer_step`, :func:`gradient_noise`)
+find the one :class:`AccumulationState` inside whatever holds it: an ``optax.chain``
+state, a Flax ``TrainState``, an ``nnx.Optimizer``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from accum_jax import _core, _flat, _noise
+
+
+class AccumulationState(NamedTuple):
+  """State of :func:`accumulate`.
+
+  The names ``mini_step``, ``gradient_step``, ``acc_grads`` and
+  ``inner_opt_state`` read as in ``optax.MultiStepsState``.
+  """
+
+  # The current window; see _core.Accumulator. After a window closes, `total`
+  # keeps its sum until the next call adds to zeros: read `acc_grads`, which
+  # is zeros while the window holds no call (count == 0).
+  accumulator: _core.Accumulator
+  optimizer_step: jax.Array  # shape=(), dtype=int32: updates emitted so far
+  inner_opt_state: Any  # the inner optimizer's state, advanced only on updates
+  last_updated: jax.Array  # shape=(), dtype=bool: did the last call update
+  num_empty_windows: jax.Array  # shape=(), dtype=int32: windows of zero weight
+  # The window's `value=` arguments (losses) and their weights: the inner
+  # optimizer gets their weighted mean; total shape=(), dtype=float32.
+  value_accumulator: _core.Accumulator
+  # The `value=` the inner optimizer got on the last update: the last applied
+  # window's loss, weighted as its gradient (0 until one is); shape=(),
+  # dtype=float32. What to log as the window's loss.
+  window_value: jax.Array
+  skip_state: Any = ()  # what MultiSteps' should_skip_update_fn reported
+  # With gradient_noise (or a noise_scale_every_k schedule); () otherwise:
+  noise: Any = ()  # _noise.NoiseSums of the current window's calls
+  last_noise: Any = ()  # GradientNoise of the last applied window (NaN before)
+  noise_ema: Any = ()  # NoiseScaleEMA, with a noise_scale_every_k schedule
+  window_length: Any = ()  # shape=(), int32: k of the current window, likewise
+
+  @property
+  def mini_step(self) -> jax.Array:
+    """Calls accumulated in the current window; shape=(), dtype=int32."""
+    return self.accumulator.count
+
+  @property
+  def gradient_step(self) -> jax.Array:
+    """Alias of ``optimizer_step``, the name ``optax.MultiSteps`` uses."""
+    return self.optimizer_step
+
+  @property
+  def acc_grads(self) -> Any:
+    """The window's weighted gradient sum, in the accumulator dtype.
+
+    For an accumulator narrower than float32 (``accumulator_dtype=None`` with
+    float16 or bfloat16 gradients), the weighted mean, as ``optax.MultiSteps``
+    keeps it: a float16 sum overflows where the mean does not. Zeros while the
+    window holds no call. The gradient's tree in either layout.
+    """
+    if isinstance(self.accumulator.count, jax.ShapeDtypeStruct):
+      return self.accumulator.total  # an abstract state (a restore target): no values
+    total = window_sum(self.accumulator)
+    # The flat layout's vectors, as the gradient's tree (in the accumulator dtype).
+    return _flat.unpack(total) if isinstance(total, _flat.Flat) else total
+
+  @property
+  def num_skipped(self) -> jax.Array:
+    """Calls skipped so far: a gradient or ``value`` that was not finite, a traced
+    weight that was negative or not finite, a call a skip function rejected, or
+    the calls of a window whose weighted sum (``reduction="sum"``) overflows the
+    gradients' float16 or bfloat16 dtype; int32 scalar."""
+    return self.accumulator.num_skipped
+
+
+def window_sum(acc: _core.Accumulator) -> Any:
+  """The window's sum: ``acc.total``, or zeros while the window holds no call.
+
+  A closed window's sum stays in the accumulator until the next call, whose
+  addition starts from these zeros instead, in the same pass. Emptying it when
+  the window closes would cost every call that only accumulates a pass more (a
+  select after the conditional, whose emitting branch reads the window), or a
+  copy of it (XLA does not write a conditional's output in place).
+  """
+  empty = jnp.asarray(acc.count) == 0
+
+  def masked(total):
+    # States stacked by a scan have the same leading axes on the count.
+    where = jnp.reshape(empty, empty.shape + (1,) * (jnp.ndim(total) - empty.ndim))
+    return jnp.where(where, jnp.zeros((), total.dtype), total)
+
+  return jax.tree.map(masked, acc.total)
+
+
+def _find_state(state: Any, caller: str) -> AccumulationState:
+  def is_state(x):
+    return isinstance(x, AccumulationState)
+
+  found = [x for x in jax.tree.leaves(state, is_leaf=is_state) if is_state(x)]
+  if not found:
+    raise ValueError(
+        f"{caller} found no accum_jax.accumulate state in {type(state).__name__}."
+        " Pass the optimizer state that accumulate(...).init returned, or one"
+        " that holds it (an optax.chain state, a Flax TrainState, an nnx.Optimizer)."
+    )
+  if len(found) > 1:
+    raise ValueError(
+        f"{caller} found {len(found)} accum_jax.accumulate states in"
+        f" {type(state).__name__}, and cannot tell which one you mean. Pass that one"
+        " (e.g. one branch of an optax.multi_transform state)."
+    )
+  return found[0]
+
+
+def has_updated(state: Any) -> jax.Array:
+  """Whether the last ``update`` applied the inner optimizer.
+
+  Args:
+    state: the state of :func:`accumulate` or :class:`accum_jax.MultiSteps`,
+      or any pytree holding exactly one (an ``optax.chain`` state, a Flax
+      ``TrainState`` or its ``opt_state``, an ``nnx.Optimizer`` or its
+      ``opt_state``).
+
+  Returns:
+    A bool scalar; jit-friendly.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, accum_jax
+    >>> opt = optax.chain(optax.clip(1.0), accum_jax.accumulate(optax.sgd(0.1), every_k=2))
+    >>> state = opt.init({"w": jnp.zeros(2)})
+    >>> _, state = opt.update({"w": jnp.ones(2)}, state)
+    >>> bool(accum_jax.has_updated(state))
+    False
+  """
+  # asarray unwraps array-likes such as the nnx.Variables of an nnx.Optimizer.
+  return jnp.asarray(_find_state(state, "has_updated").last_updated)
+
+
+def optimizer_step(state: Any) -> jax.Array:
+  """The number of updates the inner optimizer has applied.
+
+  Unlike Flax's ``TrainState.step`` and ``nnx.Optimizer.step``, which count
+  calls, this counts real optimizer updates: what the inner optimizer's own
+  schedules see.
+
+  Args:
+    state: as for :func:`has_updated`.
+
+  Returns:
+    An int32 scalar; jit-friendly.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, accum_jax
+    >>> opt = accum_jax.accumulate(optax.sgd(0.1), every_k=2)
+    >>> state = opt.init({"w": jnp.zeros(2)})
+    >>> for _ in range(5):
+    ...   _, state = opt.update({"w": jnp.ones(2)}, state)
+    >>> int(accum_jax.optimizer_step(state)), int(state.mini_step)
+    (2, 1)
+  """
+  return jnp.asarray(_find_state(state, "optimizer_step").optimizer_step)
+
+
+def gradient_noise(state: Any) -> _noise.GradientNoise:
+  """The :class:`accum_jax.GradientNoise` of the last applied window.
+
+  Args:
+    state: as for :func:`has_updated`, of an ``accumulate(...,
+      gradient_noise=True)`` (or with a :func:`noise_scale_every_k` schedule).
+
+  Returns:
+    ``grad_sq`` and ``trace_cov`` (NaN before the first window, or for a window
+    of fewer than two kept calls), per unit of the calls' ``weight``.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, accum_jax
+    >>> opt = accum_jax.accumulate(optax.sgd(0.1), every_k=2, gradient_noise=True)
+    >>> params = {"w": jnp.zeros(1)}
+    >>> state = opt.init(params)
+    >>> for g in (1.0, 3.0):
+    ...   _, state = opt.update({"w": jnp.array([g])}, state, params)
+    >>> noise = accum_jax.gradient_noise(state)  # calls of 1 and 3: mean 2, spread 2
+    >>> float(noise.trace_cov), float(noise.grad_sq)
+    (2.0, 3.0)
+  """
+  found = _find_state(state, "gradient_noise")
+  if isinstance(found.last_noise, tuple) and found.last_noise == ():
+    raise ValueError(
+        "gradient_noise found an accumulate state that does not measure the noise: build"
+        " it with accum_jax.accumulate(..., gradient_noise=True), or with"
+        " every_k=accum_jax.noise_scale_every_k(...)."
+    )
+  # jnp.asarray unwraps the nnx.Variables of an nnx.Optimizer's state.
+  return _noise.GradientNoise(*(jnp.asarray(x) for x in found.last_noise))
+

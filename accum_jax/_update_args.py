@@ -1,0 +1,84 @@
+"""The arguments of one call of :func:`accum_jax.accumulate`'s ``update``, checked.
+
+Each check runs at trace time and names the argument, the value and the fix.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+
+def check_tree_matches(grads: Any, like: Any) -> None:
+  structure: Any = jax.tree.structure(grads)
+  expected: Any = jax.tree.structure(like)
+  if structure != expected:
+    raise ValueError(
+        f"The gradients' tree structure {structure} differs from the"
+        f" parameters' given to init, {expected}. Pass gradients taken with"
+        " respect to the same parameters (jax.grad of the params pytree)."
+    )
+  for (path, g), t in zip(jax.tree.leaves_with_path(grads), jax.tree.leaves(like)):
+    if jnp.shape(g) != jnp.shape(t):
+      raise ValueError(
+          f"The gradient at {jax.tree_util.keystr(path)} has shape"
+          f" {jnp.shape(g)} but the parameter has shape {jnp.shape(t)}. Pass"
+          " gradients with the parameters' shapes."
+      )
+
+
+def check_weight(weight: Any) -> None:
+  if weight is None:
+    return
+  if jnp.ndim(weight) != 0:
+    raise ValueError(
+        f"weight must be a scalar (e.g. this microbatch's number of valid"
+        f" tokens), got an array of shape {jnp.shape(weight)}. Reduce it, e.g."
+        " weight=mask.sum()."
+    )
+  if not isinstance(weight, jax.core.Tracer) and not 0 <= float(weight) < math.inf:
+    raise ValueError(
+        f"weight={float(weight)} must be a finite number >= 0 (e.g. a count of"
+        " valid tokens). Under jit such a weight is skipped and counted in"
+        " state.num_skipped instead."
+    )
+
+
+def check_flush(flush: Any) -> jax.Array:
+  """``flush`` as a bool scalar; None (as for ``weight``) means no flush."""
+  if flush is None:
+    return jnp.array(False)
+  if jnp.ndim(flush) != 0:
+    raise ValueError(
+        f"flush must be a scalar bool (True on the last call of an epoch), got an array"
+        f" of shape {jnp.shape(flush)}."
+    )
+  dtype = jnp.result_type(flush)
+  if not (jnp.issubdtype(dtype, jnp.bool_) or jnp.issubdtype(dtype, jnp.integer)):
+    raise ValueError(
+        f"flush must be a bool (True on the last call of an epoch), got a value of dtype"
+        f" {dtype}: {flush!r}. Pass a Python bool or a bool array, e.g."
+        " flush=step == steps_per_epoch - 1."
+    )
+  return jnp.asarray(flush, bool)
+
+
+# Extra arguments of `update` that describe this call's batch: the inner optimizer
+# gets the window's, not the emitting call's. `value` (the loss, for polyak_sgd,
+# reduce_on_plateau, line searches) is reduced over the window's kept calls like
+# the gradient; `grad` (line searches: the gradient at `params`) is the window's
+# gradient itself. Every other extra argument (`value_fn`, hyperparameters...) is
+# taken from the emitting call.
+WINDOW_ARGS = ("value", "grad")
+
+
+def check_value(value: Any) -> None:
+  if jnp.ndim(value) != 0:
+    raise ValueError(
+        f"value must be a scalar loss (this call's), got an array of shape"
+        f" {jnp.shape(value)}. Pass the mean loss of the microbatch, e.g."
+        " value=loss where loss, grads = jax.value_and_grad(loss_fn)(params, batch)."
+    )
