@@ -373,8 +373,11 @@ class HostSyncs(NamedTuple):
 
   @property
   def both_branches(self) -> tuple[Conditional, ...]:
-    """The conditionals XLA:GPU replaces by selects: no host wait, but both of
-    their branches run every time (known only when a ``Lowered`` was given)."""
+    """The conditionals that XLA's GPU compiler replaces by selects.
+
+    They make the host wait for nothing, but both of their branches run every
+    time. Known only when a ``Lowered`` was given.
+    """
     return tuple(c for c in self.conditionals if c.gpu_kept is False)
 
   @property
