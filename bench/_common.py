@@ -186,24 +186,6 @@ def time_interleaved(
   return samples
 
 
-NOT_AVAILABLE = "n/a (option not available)"
-
-
-def unless_refused(build: Callable[[], Any]) -> tuple[Any, str | None]:
-  """``(build(), None)``, or ``(None, why)`` where the library refuses an option ``build`` uses.
-
-  A benchmark row may ask for an option that the code in the tree does not have
-  yet (an unknown keyword, a value it refuses): that row reads
-  :data:`NOT_AVAILABLE` and the run goes on, instead of crashing. ``why`` keeps
-  the refusal's first line.
-  """
-  try:
-    return build(), None
-  except (TypeError, ValueError) as e:
-    first = str(e).splitlines()[0][:200] if str(e) else ""
-    return None, f"{NOT_AVAILABLE}: {type(e).__name__}: {first}"
-
-
 def quartiles(samples: Sequence[float]) -> tuple[float, float]:
   """The first and third quartiles of ``samples`` (the value itself for one)."""
   if len(samples) < 2:

@@ -98,7 +98,6 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from _common import (  # noqa: E402
-    NOT_AVAILABLE,
     RESULTS_DIR,
     environment,
     fresh_process_peak,
@@ -108,7 +107,6 @@ from _common import (  # noqa: E402
     quartiles,
     time_interleaved,
     tree_nbytes,
-    unless_refused,
     write_json,
 )
 from flax import nnx  # noqa: E402
@@ -463,12 +461,7 @@ def measure_memory(
     return dict(zip(jobs, pool.map(one, jobs)))
 
 
-def _report_failure(method: str, error: BaseException, *, guarded: bool = False) -> str:
-  """The status of a method that failed; ``guarded``: a refused option is "n/a", not an error."""
-  if guarded and isinstance(error, (TypeError, ValueError)):
-    status = f"{NOT_AVAILABLE}: {error_status(error)}"
-    print(f"    {method}: {status}", flush=True)
-    return status
+def _report_failure(method: str, error: BaseException) -> str:
   status = error_status(error)
   if status != "OOM":
     traceback.print_exc()
@@ -658,7 +651,6 @@ PER_LEAF = "floor: per-leaf acc += g (jax.tree.map)"
 HAND_COND = "floor: hand-written lax.cond(emit, adamw, skip)"
 PLAIN = "floor: plain adamw step"
 MULTISTEPS_ADAMW = "optax.MultiSteps(adamw)"
-# Rows whose option is landing in the library (the flat layout): "n/a" while refused.
 LAYOUTS = ("tree", "flat")
 
 
@@ -747,9 +739,9 @@ def _inner(name: str) -> optax.GradientTransformation:
   return optax.contrib.muon(1e-3)
 
 
-def across_candidates(every_k: int) -> dict[str, Candidate | str]:
-  """The rows of the quick across-calls table, references first; a refused option: why."""
-  rows: dict[str, Candidate | str] = {
+def across_candidates(every_k: int) -> dict[str, Candidate]:
+  """The rows of the quick across-calls table, references first."""
+  rows: dict[str, Candidate] = {
       VECTOR: _vector_floor(),
       PER_LEAF: _per_leaf_floor(),
       HAND_COND: _hand_written_cond(_inner("adamw"), every_k),
@@ -759,12 +751,8 @@ def across_candidates(every_k: int) -> dict[str, Candidate | str]:
   }
   for inner in ("adamw", "sgd", "muon"):
     for layout in LAYOUTS:
-      # layout= is landing in the library; the tree layout is the default either way.
-      options = {"layout": layout} if layout != "tree" else {}
-      tx, refusal = unless_refused(
-          lambda inner=inner, options=options: accum_jax.accumulate(
-              _inner(inner), every_k=every_k, **options))
-      rows[accumulate_row(inner, layout)] = refusal or _optimizer(tx)
+      rows[accumulate_row(inner, layout)] = _optimizer(
+          accum_jax.accumulate(_inner(inner), every_k=every_k, layout=layout))
   return rows
 
 
@@ -797,9 +785,6 @@ def measure_quick_across(
   results: dict[str, dict[str, Any]] = {}
   steps, carries, inputs = {}, {}, {}
   for name, candidate in across_candidates(every_k).items():
-    if isinstance(candidate, str):
-      results[name] = {"status": candidate}
-      continue
     if not budget.left("across_calls"):
       results[name] = {"status": "skipped (budget)"}
       continue
@@ -821,7 +806,7 @@ def measure_quick_across(
       carries[name] = [own, state]
       _window_times(steps[name], carries[name], inputs[name], every_k)  # warm-up
     except Exception as e:
-      results[name] = {"status": _report_failure(name, e, guarded=name.startswith("accumulate"))}
+      results[name] = {"status": _report_failure(name, e)}
       steps.pop(name, None)
       carries.pop(name, None)
   per_call: dict[str, list[list[float]]] = {name: [] for name in steps}

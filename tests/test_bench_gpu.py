@@ -154,9 +154,6 @@ def test_the_quick_check_puts_both_doors_in_one_table_beside_an_earlier_run(
                                       rounds=1, budget=bench.Budget(0), combined=False)
   assert len(across) == 11
   for name, entry in across.items():
-    if entry["status"].startswith(bench.NOT_AVAILABLE):  # the flat layout, until it lands
-      assert name.endswith("flat"), (name, entry)
-      continue
     assert entry["status"] == "ok" and entry["micro_step_ms"] > 0, (name, entry)
     assert len(entry["call_ms_samples"]) == 1 and len(entry["call_ms_samples"][0]) == 2
 
