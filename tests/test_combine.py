@@ -2,8 +2,9 @@
 
 A hand-made statistic leaf (a custom_vjp whose "gradient" is a new value, as
 Flax's FP8 amax histories are) beside an ordinary weight, a token-weighted loss,
-a microbatch skipped for its NaN loss, two of zero weight at the end, and one
-of large activations in the middle. Each kind is checked against references
+a microbatch whose loss is NaN, two of zero weight at the end, and one of large
+activations in the middle. With ``skip_nonfinite="microbatch"`` the NaN one is
+skipped and each kind is checked against references
 computed without accum_jax: the full batch's gradient for "mean" and "sum", the
 kept microbatches' statistics (each from ``jax.grad`` on its own rows) for
 "max" and "last". The same microbatches run on one device (16 of them), data
@@ -11,7 +12,8 @@ parallel on 8 devices (2 each) and with the weight FSDP-sharded over 8 devices,
 where devices skip together (a gradient reduce-scattered per microbatch holds
 every device's share): there the odd microbatches are all skipped with the
 NaN one, and the last device keeps none. Across calls, ``accumulate`` takes the
-same specs, one microbatch's ``jax.grad`` per call.
+same specs, one microbatch's ``jax.grad`` per call. By default the NaN one
+skips the step whole, statistics included.
 """
 
 from __future__ import annotations
@@ -127,6 +129,7 @@ def references(kept: tuple[int, ...] = KEPT) -> dict[str, Any]:
   last = kept[-1]
   return {
       "loss": loss,
+      "loss sum": loss * tokens,
       "mean": mean["w"],
       "sum": mean["w"] * tokens,
       "max": jnp.max(jnp.stack([per[i][0]["stat"] for i in kept]), axis=0),
@@ -171,6 +174,7 @@ def run(layout: str, spec: str):
   vg = accum_jax.value_and_grad(
       loss_fn, has_aux=True, weight_fn=weight_fn, return_info=True,
       grad_reduction=SPECS[spec][0], aux_reduction=AUX_REDUCTION, **options,
+      skip_nonfinite="microbatch",
   )
   return jax.jit(vg)(params, batch)
 
@@ -183,10 +187,26 @@ def test_each_kind_equals_the_plain_computation_skipped_microbatches_left_out(la
   ref = references(kept)
   _, w_kind, stat_kind = SPECS[spec]
   assert int(info.num_skipped) == num_skipped
-  tree_allclose(loss, ref["loss"])
+  # Where every gradient leaf but the statistic sums, the value is the weighted sum too.
+  tree_allclose(loss, ref["loss sum" if w_kind == "sum" else "loss"])
   tree_allclose(grads["w"], ref[w_kind])
   # A statistic is a value some microbatch returned: exactly that value.
   np.testing.assert_array_equal(grads["stat"], ref[stat_kind])
+
+
+def test_by_default_the_nan_microbatch_skips_the_step_statistics_included():
+  vg = accum_jax.value_and_grad(
+      loss_fn, 16, has_aux=True, weight_fn=weight_fn, return_info=True,
+      grad_reduction=SPECS["pytree"][0], aux_reduction=AUX_REDUCTION,
+  )
+  (loss, aux), grads, info = jax.jit(vg)(make_params(), make_batch())
+  assert bool(info.step_skipped) and int(info.num_skipped) == 16
+  # Only the NaN microbatch's loss is not finite; zero-weight padding counts as finite.
+  np.testing.assert_array_equal(info.loss_finite, np.arange(16) != SKIPPED)
+  # Every leaf is zeroed, "max" and "sum" alike; the loss and aux are as they were.
+  np.testing.assert_array_equal(grads["w"], np.zeros((8, 8), np.float32))
+  np.testing.assert_array_equal(grads["stat"], np.zeros(8, np.float32))
+  assert np.isnan(loss) and np.isnan(aux["loss"])
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -208,7 +228,7 @@ def test_a_string_keeps_the_fp8_collection_at_max_and_the_collection_named_overr
   for spec, stat_kind in (("sum", "max"), (None, "max"),
                           ({"params": "sum", "_overwrite_with_gradient": "last"}, "last")):
     vg = accum_jax.value_and_grad(fp8_loss, 16, has_aux=True, weight_fn=weight_fn,
-                                  grad_reduction=spec)
+                                  grad_reduction=spec, skip_nonfinite="microbatch")
     _, grads = jax.jit(vg)(variables, batch)
     np.testing.assert_array_equal(grads["_overwrite_with_gradient"]["stat"], ref[stat_kind])
     tree_allclose(grads["params"]["w"], ref["mean" if spec is None else "sum"])

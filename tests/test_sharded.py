@@ -91,11 +91,18 @@ def _per_microbatch(found):
   return sorted((c.kind, c.axes) for c in found if c.in_loop and not c.in_branch)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_every_layout_equals_the_full_batch_with_gradients_sharded_as_the_parameters(layout):
+# Each layout under the default, and FSDP with skip_nonfinite="microbatch", whose
+# loop agrees on each microbatch's skip over the data axes.
+@pytest.mark.parametrize("layout, skip_nonfinite", [
+    *((layout, None) for layout in LAYOUTS), ("fsdp", "microbatch"),
+])
+def test_every_layout_equals_the_full_batch_with_gradients_sharded_as_the_parameters(
+    layout, skip_nonfinite
+):
   mesh, data_axis, specs, params, batch = _place(layout)
   vg = accum_jax.value_and_grad(
-      loss_fn, NUM_MICROBATCHES, mesh=mesh, data_axis=data_axis, param_sharding=specs
+      loss_fn, NUM_MICROBATCHES, mesh=mesh, data_axis=data_axis, param_sharding=specs,
+      skip_nonfinite=skip_nonfinite,
   )
   compiled = jax.jit(vg).lower(params, batch).compile()
   value, grads = compiled(params, batch)
@@ -107,10 +114,12 @@ def test_every_layout_equals_the_full_batch_with_gradients_sharded_as_the_parame
       ("reduce-scatter", over) for s in specs.values()
       if (over := tuple(a for a in axes if a in jax.tree.leaves(tuple(s))))
   )
-  # Per microbatch: one reduce-scatter per sharded leaf, over its data axes, and
-  # the skip decision agreed over the data axes in one small all-reduce.
+  # Per microbatch: one reduce-scatter per sharded leaf, over its data axes; with
+  # "microbatch", the skip decision agreed over the data axes in one small
+  # all-reduce (the default checks the sums once, after the loop).
+  agreed = [("all-reduce", axes)] if skip_nonfinite == "microbatch" else []
   per_microbatch = [c for c in _per_microbatch(found) if c[1] is None or set(c[1]) & set(axes)]
-  assert per_microbatch == sorted([*scattered, ("all-reduce", axes)]), per_microbatch
+  assert per_microbatch == sorted([*scattered, *agreed]), per_microbatch
   # Nothing is all-reduced over a data axis inside the loop but the few flags
   # (a tensor axis reduces activations, as it does without accum_jax).
   assert not [
@@ -174,29 +183,37 @@ def test_automatic_axes_under_jit_need_param_sharding_and_an_eager_call_reads_th
   _assert_sharded_like(grads, params)
 
 
+def _transported_types(lowered) -> list[str]:
+  """The operand types of the program's gathers and reduce-scatters, as asked for."""
+  return re.findall(r'"stablehlo.(?:all_gather|reduce_scatter)".*?: \(tensor<([^>]*)>\)',
+                    lowered.as_text(), flags=re.DOTALL)
+
+
 def test_gather_and_reduce_dtypes_are_what_crosses_devices():
   mesh, data_axis, specs, params, batch = _place("fsdp")
-  vg = accum_jax.value_and_grad(
-      loss_fn, NUM_MICROBATCHES, mesh=mesh, data_axis=data_axis, param_sharding=specs,
-      gather_dtype=jnp.bfloat16, reduce_dtype=jnp.bfloat16,
-  )
-  lowered = jax.jit(vg).lower(params, batch)
+  options = dict(mesh=mesh, data_axis=data_axis, param_sharding=specs,
+                 gather_dtype=jnp.bfloat16, reduce_dtype=jnp.bfloat16)
+  lowered = jax.jit(accum_jax.value_and_grad(loss_fn, NUM_MICROBATCHES, **options)).lower(
+      params, batch)
   value, grads = lowered.compile()(params, batch)
   tree_allclose((value, grads), _reference(), rtol=2e-2, atol=2e-2)
   assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(grads))
   # The program asks for bfloat16 gathers and reduce-scatters (XLA on CPU then
-  # runs them in float32; accelerators run them as asked).
-  text = lowered.as_text()
-  operand_types = re.findall(r'"stablehlo.(?:all_gather|reduce_scatter)".*?: \(tensor<([^>]*)>\)',
-                             text, flags=re.DOTALL)
-  # 8 in the loop's body, and 8 more in the recheck's (the same pass, compiled again).
+  # runs them in float32; accelerators run them as asked): 8 in the loop's body.
+  operand_types = _transported_types(lowered)
+  assert len(operand_types) == 8, operand_types
+  assert all(t.endswith("bf16") for t in operand_types), operand_types
+  # With "microbatch", 8 more in the recheck's body (the same pass, compiled again).
+  recheck = accum_jax.value_and_grad(loss_fn, NUM_MICROBATCHES, skip_nonfinite="microbatch",
+                                     **options)
+  operand_types = _transported_types(jax.jit(recheck).lower(params, batch))
   assert len(operand_types) == 2 * 8, operand_types
   assert all(t.endswith("bf16") for t in operand_types), operand_types
 
 
-@pytest.mark.parametrize("where", ["loss", "gradient"])
-def test_a_non_finite_microbatch_is_skipped_on_every_device_and_counted(where):
-  mesh, data_axis, specs, params, batch = _place("fsdp")
+def _non_finite_batch(where: str):
+  """The batch's rows with one bad row, on device 1 under FSDP over 8, and the loss:
+  its loss (``"loss"``) or only its gradient (``"gradient"``) is not finite there."""
   x, y = make_batch()["x"].copy(), make_batch()["y"]
   bad = 6  # device 1 (rows 4..7), its microbatch 1 (rows 6, 7)
   if where == "loss":
@@ -211,10 +228,17 @@ def test_a_non_finite_microbatch_is_skipped_on_every_device_and_counted(where):
       # sqrt(|x b|) at x = 0: finite, but its gradient in b is 0 / 0.
       root = jnp.sqrt(jnp.abs(batch["x"][:, 0] * params["b2"][0]))
       return loss_fn(params, batch) + 1e-3 * jnp.mean(root)
+  return x, y, fun
+
+
+@pytest.mark.parametrize("where", ["loss", "gradient"])
+def test_a_non_finite_microbatch_is_skipped_on_every_device_and_counted(where):
+  mesh, data_axis, specs, params, _ = _place("fsdp")
+  x, y, fun = _non_finite_batch(where)
   batch = jax.device_put({"x": x, "y": y}, NamedSharding(mesh, P("data")))
   vg = accum_jax.value_and_grad(
       fun, NUM_MICROBATCHES, mesh=mesh, data_axis=data_axis, param_sharding=specs,
-      return_info=True,
+      return_info=True, skip_nonfinite="microbatch",
   )
   value, grads, info = jax.jit(vg)(params, batch)
   # Microbatch 1 of every device is dropped: the other microbatches' mean.
@@ -222,6 +246,30 @@ def test_a_non_finite_microbatch_is_skipped_on_every_device_and_counted(where):
   expected = jax.value_and_grad(fun)(make_params(), {"x": x[kept], "y": y[kept]})
   assert int(info.num_skipped) == 8
   tree_allclose((value, grads), expected)
+
+
+@pytest.mark.parametrize("where", ["loss", "gradient"])
+def test_by_default_a_non_finite_microbatch_skips_the_step_on_every_device(where):
+  mesh, data_axis, specs, params, _ = _place("fsdp")
+  x, y, fun = _non_finite_batch(where)
+  batch = jax.device_put({"x": x, "y": y}, NamedSharding(mesh, P("data")))
+  vg = accum_jax.value_and_grad(
+      fun, NUM_MICROBATCHES, mesh=mesh, data_axis=data_axis, param_sharding=specs,
+      return_info=True,
+  )
+  value, grads, info = jax.jit(vg)(params, batch)
+  # The gradient is zeroed, sharded as the parameters; the loss is the batch's, as it was.
+  assert bool(info.step_skipped)
+  assert int(info.num_skipped) == 8 * NUM_MICROBATCHES
+  tree_allclose(grads, jax.tree.map(np.zeros_like, make_params()))
+  _assert_sharded_like(grads, params)
+  full_value = jax.value_and_grad(fun)(make_params(), {"x": x, "y": y})[0]
+  np.testing.assert_array_equal(np.isnan(value), where == "loss")
+  tree_allclose(value, full_value)
+  # Each device's losses, in device order: device 1's microbatch 1 is the bad one.
+  expected_finite = np.ones(8 * NUM_MICROBATCHES, bool)
+  expected_finite[1 * NUM_MICROBATCHES + 1] = where != "loss"
+  np.testing.assert_array_equal(info.loss_finite, expected_finite)
 
 
 def test_zero_weight_padding_never_drops_other_devices_rows():
