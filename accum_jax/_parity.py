@@ -257,8 +257,11 @@ def check_parity(
   - ``rng_argnums``: microbatch ``i`` draws with ``fold_in(key, i)``, so dropout
     masks differ from the full-batch draw by design; a PRNG key argument not
     in ``rng_argnums`` repeats one draw in every microbatch.
-  - Microbatches skipped for a non-finite loss or gradient, and a full-batch
-    result that is itself not finite.
+  - A non-finite loss or gradient: by default (``skip_nonfinite="step"``) the
+    step skipped whole, with the microbatches whose loss is not finite named
+    (or, where every loss is finite, those whose gradient is not counted);
+    with ``skip_nonfinite="microbatch"``, the microbatches left out; and a
+    full-batch result that is itself not finite.
   - Under a mesh, ``gather_dtype`` or ``reduce_dtype`` narrower than the
     parameters: rounding by design.
   - Otherwise, a deviation within 100 times the default ``rtol``, which may be
@@ -344,7 +347,7 @@ def check_parity(
         round_off=round_off,
         full=(full_loss, full_grads),
         full_aux=full_out[1] if has_aux else None,
-        num_skipped=int(info.num_skipped),
+        info=info,
         num_microbatches=num_microbatches,
         num_shards=num_shards,
         run_micro=run_micro,
@@ -383,7 +386,7 @@ def _diagnose(
     round_off: Mapping[str, float],
     full: tuple[Any, Any],
     full_aux: Any,
-    num_skipped: int,
+    info: _microbatch.MicrobatchInfo,
     num_microbatches: int,
     num_shards: int,
     run_micro: Callable[[Mapping[str, Any]], tuple[Any, Any, Any]],
@@ -401,7 +404,9 @@ def _diagnose(
       *_key_causes(args, parsed.rng_argnums),
       *_transport_causes(parsed, args),
   ]
-  hints = by_design + _skipped_hints(num_skipped)
+  hints = by_design + _skipped_hints(
+      parsed, options, info, num_microbatches, num_shards, run_micro
+  )
   conclusive = bool(hints)
   if options.get("weight_fn") is not None:
     hints.append(
@@ -429,15 +434,74 @@ def _non_finite_reference(full: tuple[Any, Any]) -> list[str]:
   ]
 
 
-def _skipped_hints(num_skipped: int) -> list[str]:
+def _skipped_hints(
+    parsed: _options.Options,
+    options: Mapping[str, Any],
+    info: _microbatch.MicrobatchInfo,
+    num_microbatches: int,
+    num_shards: int,
+    run_micro: Callable[[Mapping[str, Any]], tuple[Any, Any, Any]],
+) -> list[str]:
+  """What was skipped, and why: a whole step (the default) or microbatches."""
+  num_skipped = int(info.num_skipped)
+  if parsed.skip_step and bool(info.step_skipped):
+    return [_skipped_step_hint(options, info, num_microbatches, num_shards, run_micro)]
   if not num_skipped:
     return []
+  if parsed.skip_step:  # the step was kept: only weights leave microbatches out
+    return [
+        f"{num_skipped} microbatch(es) were left out for a negative or non-finite weight;"
+        " the result averages the others only. Check what weight_fn returns."
+    ]
   return [
       f"{num_skipped} microbatch(es) were skipped because their loss or gradient was"
       " not finite (or their weight negative); the result averages the others only."
       " Find the rows that make the loss non-finite, or pass skip_nonfinite=False to"
       " see the NaN."
   ]
+
+
+def _skipped_step_hint(
+    options: Mapping[str, Any],
+    info: _microbatch.MicrobatchInfo,
+    num_microbatches: int,
+    num_shards: int,
+    run_micro: Callable[[Mapping[str, Any]], tuple[Any, Any, Any]],
+) -> str:
+  """The default skipped the step: names the microbatches whose loss is not finite
+  (info.loss_finite), or, where every loss is finite, counts those whose gradient
+  is not by running them once more with skip_nonfinite="microbatch"."""
+  skipped = (
+      f"so the step was skipped whole (skip_nonfinite='step', the default): the gradient"
+      f" came back zero and info.num_skipped counts all {int(info.num_skipped)}"
+      " microbatches."
+  )
+  fixes = (
+      " Pass skip_nonfinite='microbatch' to leave out only the microbatches that are not"
+      " finite, or skip_nonfinite=False to see the NaN."
+  )
+  bad = np.flatnonzero(~np.asarray(info.loss_finite)).tolist()
+  if bad:
+    where = ", ".join(
+        f"{i % num_microbatches} on device {i // num_microbatches}" if num_shards > 1
+        else str(i) for i in bad
+    )
+    return (
+        f"The loss of microbatch(es) {where} (of {num_microbatches}"
+        f"{' per device' if num_shards > 1 else ''}) is not finite, {skipped} Find the"
+        f" rows there that make the loss non-finite.{fixes}"
+    )
+  _, _, by_microbatch = run_micro({**options, "skip_nonfinite": "microbatch"})
+  if num_bad := int(by_microbatch.num_skipped):
+    return (
+        f"Every microbatch's loss is finite, but the gradient of {num_bad} microbatch(es)"
+        " is not (e.g. sqrt or a norm at 0, whose derivative is infinite there),"
+        f" {skipped}{fixes}"
+    )
+  return (
+      "Every microbatch's loss and gradient is finite, but their sum is not (it"
+      f" overflows the accumulator's dtype), {skipped}"
+  )
 
 
 def _state_causes(state_nums: tuple[int, ...], full_aux: Any) -> list[str]:

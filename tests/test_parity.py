@@ -191,12 +191,30 @@ def test_batch_stats_in_the_aux_are_named_as_the_cause():
 
 def test_a_non_finite_example_is_named_as_the_cause():
   batch = make_batch()
-  batch["x"] = batch["x"].at[3, 0, 0].set(jnp.nan)
+  batch["x"] = batch["x"].at[3, 0, 0].set(jnp.nan)  # row 3: microbatch 1 of 4
   report = check(mse_loss, make_params(), batch)
   assert not report.ok
   assert math.isinf(report.max_abs)
   assert any("The full-batch loss or gradient is itself not finite" in h for h in report.hints)
+  # By default the step is skipped whole; its microbatch is named from info.loss_finite.
+  assert any(h.startswith("The loss of microbatch(es) 1 (of 4) is not finite, so the step was"
+                          " skipped whole") for h in report.hints), report.hints
+  report = check(mse_loss, make_params(), batch, skip_nonfinite="microbatch")
   assert any(h.startswith("1 microbatch(es) were skipped") for h in report.hints)
+
+
+def test_a_non_finite_gradient_under_finite_losses_is_counted():
+  def sqrt_loss(params, batch):
+    # sqrt(|x w|) at x = 0: finite, but its gradient in w is 0 / 0.
+    root = jnp.sqrt(jnp.abs(batch["x"][..., 0] * params["w1"][0, 0]))
+    return mse_loss(params, batch) + 1e-3 * jnp.mean(root)
+
+  batch = make_batch()
+  batch["x"] = batch["x"].at[3, :, 0].set(0.0)  # row 3: microbatch 1 of 4
+  report = check(sqrt_loss, make_params(), batch)
+  assert not report.ok
+  assert any(h.startswith("Every microbatch's loss is finite, but the gradient of 1"
+                          " microbatch(es) is not") for h in report.hints), report.hints
 
 
 def test_an_unrecognised_cause_gets_the_general_explanation():
