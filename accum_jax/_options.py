@@ -575,15 +575,17 @@ def _is_dynamic_loss_scale(x: Any) -> bool:
 
 
 _OVERFLOW_UNSEEN = (
-    "with skip_nonfinite left at its default (True), a microbatch whose scaled loss"
-    " overflows would be skipped, the gradient would come back finite, and the scale"
-    " would never see the overflow."
+    "with skip_nonfinite left at its default ('step'), a step in which a microbatch's"
+    " scaled loss overflows would come back with a zero gradient, which is finite, so"
+    " jmp.all_finite(grads) would hold and the scale would never see the overflow."
 )
 _LOSS_SCALE_RECIPES = (
     " To let the scale see it, pass skip_nonfinite=False, so that an overflow makes the"
     " gradient non-finite as on the whole batch (jmp.all_finite(grads) then lowers the"
-    " scale and the step is skipped); or pass skip_nonfinite=True with return_info=True"
-    " and count info.num_skipped > 0 as an overflow."
+    " scale and the step is skipped); or pass skip_nonfinite='step' with return_info=True"
+    " and count info.step_skipped as an overflow, or skip_nonfinite='microbatch' (only"
+    " the microbatches that overflow are left out) with return_info=True and count"
+    " info.num_skipped > 0 as one."
 )
 
 
@@ -661,12 +663,13 @@ def _check_float16(options: Options, jaxpr: Any) -> None:
     primitive, aval = found
     raise ValueError(
         f"fun computes in float16 ({primitive} gives a float16 array of shape"
-        f" {tuple(aval.shape)}) and skip_nonfinite is left at its default (True): a"
-        " microbatch that overflows would be skipped and the gradient would come back"
-        " finite, so a dynamic loss scale, closed over by fun or passed to it, would never"
-        f" see the overflow.{_LOSS_SCALE_RECIPES} Without a loss scale, pass"
-        " skip_nonfinite=True to skip the microbatches that overflow (return_info=True"
-        " counts them). bfloat16 needs no loss scale and is not refused."
+        f" {tuple(aval.shape)}) and skip_nonfinite is left at its default ('step'): a"
+        " step in which a microbatch overflows would come back with a zero gradient, which"
+        " is finite, so a dynamic loss scale, closed over by fun or passed to it, would"
+        f" never see the overflow.{_LOSS_SCALE_RECIPES} Without a loss scale, pass"
+        " skip_nonfinite='step' to skip the steps that overflow, or 'microbatch' to leave"
+        " out only the microbatches that do (return_info=True counts them). bfloat16"
+        " needs no loss scale and is not refused."
     )
 
 
