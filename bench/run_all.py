@@ -14,8 +14,8 @@ those.
 
 Run from the repository root::
 
-  python bench/run_all.py            # the full benchmarks, 20 to 30 minutes on 2 CPU cores
-  python bench/run_all.py --quick    # every benchmark's smoke run, about 8 minutes
+  python bench/run_all.py            # the full benchmarks, 30 to 40 minutes on 2 CPU cores
+  python bench/run_all.py --quick    # every benchmark's smoke run, about 12 minutes
 """
 
 from __future__ import annotations
