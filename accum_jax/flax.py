@@ -241,6 +241,7 @@ def _batches(parsed: _Parsed, args: tuple, node_nums: tuple[int, ...]) -> tuple[
   batches = tuple(
       i for i, arg in enumerate(args) if i not in skip and _options.looks_like_batch(arg)
   )
+  _options.check_unambiguous(batches, args)
   if not batches:
     raise ValueError(
         f"No argument of the {len(args)} given is a batch: batch_argnums=None takes"

@@ -527,6 +527,22 @@ def test_nnx_value_and_grad_errors_name_the_users_argument_numbers(options, mess
     vg(MnistCNN(rngs=nnx.Rngs(0)), nnx.Rngs(1), _mnist_batch(0))
 
 
+def test_nnx_value_and_grad_refuses_an_argument_of_the_batch_s_length_beside_a_batch_pytree():
+  def weighted_loss(model, batch, class_weights):
+    return jnp.mean(model(batch["x"]) ** 2) * jnp.sum(class_weights)
+
+  model, batch = nnx.Linear(3, 1, rngs=nnx.Rngs(0)), {"x": jnp.linspace(-1, 1, 24).reshape(8, 3)}
+  class_weights = jnp.arange(8.0)  # as many classes as rows, by coincidence
+  vg = accum_jax.flax.nnx_value_and_grad(weighted_loss, 2)
+  with pytest.raises(ValueError, match=re.escape(
+      "batch_argnums=None finds arguments [1, 2] that could each be the batch")):
+    vg(model, batch, class_weights)
+  # Named, the weights are passed whole to every microbatch.
+  value, _ = accum_jax.flax.nnx_value_and_grad(weighted_loss, 2, batch_argnums=1)(
+      model, batch, class_weights)
+  np.testing.assert_allclose(value, weighted_loss(model, batch, class_weights), rtol=RTOL)
+
+
 def test_nnx_value_and_grad_errors_from_the_core_name_the_users_argument_numbers():
   vg = accum_jax.flax.nnx_value_and_grad(mnist_loss, 2, has_aux=True, batch_argnums=2)
   with pytest.raises(ValueError, match=re.escape("Argument 2['label'] is a scalar")):
