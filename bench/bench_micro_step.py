@@ -157,14 +157,26 @@ def entry_counts(compiled: jax.stages.Compiled) -> dict[str, int]:
   }
 
 
-def measure(params: Any, rounds: int) -> list[dict[str, Any]]:
-  """Each row's compiled micro-step, counted, and timed against the floor."""
-  grads = jax.tree.map(lambda p: (p * 0.5).astype(p.dtype), params)
+def grads_for(params: Any) -> Any:
+  return jax.tree.map(lambda p: (p * 0.5).astype(p.dtype), params)
+
+
+def compile_rows(params: Any, names: Any = None) -> dict[str, list[Any]]:
+  """``{row: [compiled micro-step, its state, its params]}``, for ``names`` (None: all)."""
   built = {}
   for name, (init, step) in rows(optax.adamw(1e-3)).items():
+    if names is not None and name not in names:
+      continue
     jitted = jax.jit(step, donate_argnums=0)
-    compiled = jitted.lower(init(params), params, grads).compile()
+    compiled = jitted.lower(init(params), params, grads_for(params)).compile()
     built[name] = [compiled, init(params), jax.tree.map(jnp.copy, params)]
+  return built
+
+
+def measure(params: Any, rounds: int) -> list[dict[str, Any]]:
+  """Each row's compiled micro-step, counted, and timed against the floor."""
+  grads = grads_for(params)
+  built = compile_rows(params)
   samples: dict[str, list[float]] = {name: [] for name in built}
   for r in range(rounds):
     names = list(built)
