@@ -531,5 +531,6 @@ def test_fsdp_param_sharding_shaped_like_the_model_passes_through():
   assert sharded == 3
   compiled = vg.lower(model, x, y).compile().compiled  # jax's, under Equinox's wrapper
   found = accum_jax.testing.collectives(compiled.as_text(), mesh)
+  # A reduce-scatter per sharded leaf; the default checks finiteness after the loop.
   per_microbatch = [c.kind for c in found if c.in_loop and not c.in_branch]
-  assert sorted(per_microbatch) == ["all-reduce"] + ["reduce-scatter"] * 3, per_microbatch
+  assert per_microbatch == ["reduce-scatter"] * 3, per_microbatch

@@ -122,14 +122,27 @@ def test_a_mesh_of_8_balances_the_global_batch(sharding):
     assert grads["layers"][0]["w_in"].sharding.spec == P(None, None, "data")
 
 
-def test_a_non_finite_microbatch_is_left_out_of_both_passes_and_counted():
+def _poisoned():
+  """Parameters and a batch whose microbatch 1 of 4 (rows 8..15) alone reads a NaN."""
   params, batch = moe.init_params(), moe.make_batch(BATCH)
   poisoned = {**params, "embed": params["embed"].copy()}
-  # Microbatch 1 of 4 (rows 8..15) alone reads token VOCAB - 1, made NaN.
   batch["tokens"] = np.where(batch["tokens"] == moe.VOCAB - 1, 0, batch["tokens"])
   batch["tokens"][9, 3] = moe.VOCAB - 1
   poisoned["embed"][moe.VOCAB - 1] = np.nan
-  value, grads, info = door(4, return_info=True)(poisoned, batch)
+  return poisoned, batch
+
+
+def test_by_default_a_non_finite_microbatch_skips_the_step_and_names_its_loss():
+  poisoned, batch = _poisoned()
+  _, grads, info = door(4, return_info=True)(poisoned, batch)
+  assert bool(info.step_skipped) and int(info.num_skipped) == 4
+  np.testing.assert_array_equal(info.loss_finite, [True, False, True, True])
+  tree_allclose(grads, jax.tree.map(np.zeros_like, poisoned))
+
+
+def test_a_non_finite_microbatch_is_left_out_of_both_passes_and_counted():
+  poisoned, batch = _poisoned()
+  value, grads, info = door(4, return_info=True, skip_nonfinite="microbatch")(poisoned, batch)
   assert int(info.num_skipped) == 1
   kept = jax.tree.map(lambda x: np.concatenate([x[:8], x[16:]]), batch)
   expected_value, expected_grads = jax.value_and_grad(full_batch_loss)(poisoned, kept)
