@@ -162,6 +162,13 @@ def test_temporaries_hold_the_model_s_resident_bytes_and_little_more(mode, width
   local_batch = 2 * (BATCH // devices) * width * 4
   activations = (BATCH // devices // k) * width * layers * 4
   slack = 2 * local_batch + 2 * activations + SMALL_BUFFERS
+  # The default skip_nonfinite="step" zeroes every gradient leaf on one check that
+  # reads every accumulator, so no output is written before all are read; XLA:CPU
+  # then keeps one leaf's accumulator shard apart from its output, in the
+  # temporaries for the whole loop (fsdp x tensor, 128x128: 8 KiB, 253,096 bytes
+  # under "microbatch", 240,016 under False, 270,672 under "step"; the same
+  # whether the check sums x - x or takes min and max, inside shard_map or after).
+  slack += cost.accumulator // layers
   assert resident <= temp <= resident + cost.in_flight + slack, (temp, resident, cost)
 
 
