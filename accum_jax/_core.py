@@ -221,23 +221,46 @@ def all_finite(tree: Any) -> jax.Array:
   return functools.reduce(jnp.add, zeros) == 0
 
 
-def all_finite_packed(tree: Any) -> jax.Array:
-  """:func:`all_finite` in one reduction per dtype, not one per leaf.
+# Leaves of at most this many elements are packed into one vector per dtype for
+# the finiteness check; larger ones are checked where they lie.
+PACK_LIMIT = 1 << 16
 
-  The leaves of each dtype are raveled into one vector, then checked as
-  :func:`all_finite` checks a leaf. For a call that only accumulates, a reduction
-  per leaf is most of the cost with many small leaves (a kernel each on a GPU,
-  several fusions each where XLA:CPU splits a reduction); the concatenation is
-  one more pass over the gradient, and a temporary of its size where XLA does
-  not fuse it into the reduction.
+
+def all_finite_packed(tree: Any) -> jax.Array:
+  """:func:`all_finite` with the small leaves checked together: one reduction per dtype.
+
+  The leaves of each dtype of at most :data:`PACK_LIMIT` elements, and not
+  sharded, are raveled into one vector, then checked as :func:`all_finite`
+  checks a leaf. For a call that only accumulates, a reduction per leaf is most
+  of the cost with many small leaves (a kernel each on a GPU, several fusions
+  each where XLA:CPU splits a reduction); the concatenation is one more pass
+  over them. A large leaf's reduction costs its bytes, not its launch, and a
+  sharded one is checked where it lies: packing it would gather it.
   """
   groups: dict[Any, list[jax.Array]] = {}
+  alone: list[jax.Array] = []
   for x in jax.tree.leaves(tree):
     x = jnp.asarray(x)
-    if jnp.issubdtype(x.dtype, jnp.inexact):
+    if not jnp.issubdtype(x.dtype, jnp.inexact):
+      continue
+    if _packable(x):
       groups.setdefault(x.dtype, []).append(jnp.ravel(x))
+    else:
+      alone.append(x)
   vectors = [parts[0] if len(parts) == 1 else jnp.concatenate(parts) for parts in groups.values()]
-  return all_finite(vectors)
+  return all_finite(vectors + alone)
+
+
+def _packable(x: jax.Array) -> bool:
+  """Small, and not known to be sharded (an explicit sharding over a mesh axis, or
+  an array placed so)."""
+  if x.size > PACK_LIMIT:
+    return False
+  if isinstance(x, jax.core.Tracer):
+    spec = getattr(jax.typeof(x).sharding, "spec", ())
+    return not any(axis is not None for axis in spec)
+  sharding = getattr(x, "sharding", None)
+  return sharding is None or sharding.is_fully_replicated
 
 
 def _wide(dtype: Any) -> jnp.dtype:

@@ -295,3 +295,20 @@ def test_positive_int_takes_python_numpy_and_concrete_jax_integers_only():
   for value in (0, -1, 2.0, True, jnp.float32(2), "2"):
     assert _core.positive_int(value) is None
 
+
+
+@pytest.mark.parametrize("where", ["small", "large", "none"])
+def test_all_finite_packed_finds_a_nan_in_any_leaf_and_packs_only_the_small_ones(where):
+  tree = {
+      "small": [jnp.ones(3, jnp.bfloat16), jnp.ones((2, 2)), jnp.ones(5, jnp.bfloat16)],
+      "large": jnp.ones(_core.PACK_LIMIT + 1),
+      "count": jnp.arange(3),
+  }
+  if where == "small":
+    tree["small"][2] = tree["small"][2].at[4].set(jnp.nan)
+  elif where == "large":
+    tree["large"] = tree["large"].at[-1].set(-jnp.inf)
+  assert bool(_core.all_finite_packed(tree)) == (where == "none")
+  # One concatenation, of the two small bfloat16 leaves; the large float32 leaf is
+  # checked alone (packed, it would make a second, with the small float32 one).
+  assert str(jax.make_jaxpr(_core.all_finite_packed)(tree)).count("concatenate") == 1
