@@ -115,7 +115,7 @@ def test_a_float16_loss_scale_closed_over_with_the_default_skip_is_refused():
   params, loss_scale = {"w": normal(2, (4, 3), 0.5)}, jmp.DynamicLossScale(jnp.float32(2**15))
   with pytest.raises(ValueError, match=re.escape(
       "fun computes in float16 (convert_element_type gives a float16 array of shape (4, 4))"
-      " and skip_nonfinite is left at its default (True)")):
+      " and skip_nonfinite is left at its default ('step')")):
     scaled_grads(params, loss_scale, *make_data(overflow=True))
 
 
