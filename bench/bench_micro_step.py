@@ -161,10 +161,13 @@ def grads_for(params: Any) -> Any:
   return jax.tree.map(lambda p: (p * 0.5).astype(p.dtype), params)
 
 
-def compile_rows(params: Any, names: Any = None) -> dict[str, list[Any]]:
-  """``{row: [compiled micro-step, its state, its params]}``, for ``names`` (None: all)."""
+def compile_rows(
+    params: Any, names: Any = None, inner: optax.GradientTransformation | None = None
+) -> dict[str, list[Any]]:
+  """``{row: [compiled micro-step, its state, its params]}``, for ``names`` (None: all),
+  with ``inner`` inside (AdamW by default)."""
   built = {}
-  for name, (init, step) in rows(optax.adamw(1e-3)).items():
+  for name, (init, step) in rows(inner or optax.adamw(1e-3)).items():
     if names is not None and name not in names:
       continue
     jitted = jax.jit(step, donate_argnums=0)
