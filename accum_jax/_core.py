@@ -252,15 +252,18 @@ def all_finite_packed(tree: Any) -> jax.Array:
 
 
 def _packable(x: jax.Array) -> bool:
-  """Small, and not known to be sharded (an explicit sharding over a mesh axis, or
-  an array placed so)."""
-  if x.size > PACK_LIMIT:
-    return False
+  return x.size <= PACK_LIMIT and not is_sharded(x)
+
+
+def is_sharded(x: Any) -> bool:
+  """Whether ``x`` is known to be split over devices: an array placed so, or a
+  traced value whose type carries an explicit sharding over a mesh axis (under
+  automatic sharding a tracer says nothing, and counts as not sharded)."""
   if isinstance(x, jax.core.Tracer):
     spec = getattr(jax.typeof(x).sharding, "spec", ())
-    return not any(axis is not None for axis in spec)
+    return any(axis is not None for axis in spec)
   sharding = getattr(x, "sharding", None)
-  return sharding is None or sharding.is_fully_replicated
+  return isinstance(x, jax.Array) and sharding is not None and not sharding.is_fully_replicated
 
 
 def _wide(dtype: Any) -> jnp.dtype:

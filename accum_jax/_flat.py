@@ -106,7 +106,7 @@ def _check_leaf(where: str, leaf: Any, kind: str) -> None:
         f" {kind!r} (a statistic such as an FP8 amax history, not a sum). Use"
         " layout='tree' (the default) for gradients with statistics."
     )
-  if _is_sharded(leaf):
+  if _core.is_sharded(leaf):
     raise ValueError(
         f"layout='flat' cannot hold the leaf at {where or 'the root'}: it is sharded"
         f" ({_sharding_of(leaf)}), and one vector per dtype cannot be sharded like the"
@@ -119,17 +119,6 @@ def _sharding_of(leaf: Any) -> Any:
   if isinstance(leaf, jax.core.Tracer):
     return jax.typeof(leaf).sharding
   return getattr(leaf, "sharding", None)
-
-
-def _is_sharded(leaf: Any) -> bool:
-  """Whether ``leaf`` is known to be split over devices (an array placed so, or a
-  traced value whose type carries an explicit sharding over a mesh axis)."""
-  if isinstance(leaf, jax.core.Tracer):
-    spec = getattr(jax.typeof(leaf).sharding, "spec", ())
-    return any(axis is not None for axis in spec)
-  sharding = getattr(leaf, "sharding", None)
-  return isinstance(leaf, jax.Array) and sharding is not None and not (
-      sharding.is_fully_replicated)
 
 
 def checked_layout(layout: FlatLayout, grads: Any, kinds: tuple[str, ...]) -> FlatLayout:
