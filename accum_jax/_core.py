@@ -176,9 +176,8 @@ def zeros_like(x: Any, dtype: Any = None) -> jax.Array:
     sharding = x.sharding if isinstance(x.sharding, jax.sharding.NamedSharding) else None
     return jnp.zeros(x.shape, dtype, out_sharding=sharding)
   if isinstance(x, jax.core.Tracer):
-    spec = getattr(jax.typeof(x).sharding, "spec", ())
-    if any(axis is not None for axis in spec):
-      # Explicit sharding: the type carries it, and zeros_like keeps the type's.
+    if explicitly_sharded(x):
+      # The type carries the sharding, and zeros_like keeps the type's.
       return jnp.zeros_like(x, dtype)
     return jnp.zeros_like(x, dtype) * jnp.isnan(x).astype(dtype)
   return jnp.zeros_like(x, dtype=dtype)
@@ -255,13 +254,19 @@ def _packable(x: jax.Array) -> bool:
   return x.size <= PACK_LIMIT and not is_sharded(x)
 
 
+def explicitly_sharded(x: Any) -> bool:
+  """Whether the type of ``x`` (an array or a tracer) carries an explicit sharding
+  over a mesh axis; under automatic sharding a tracer's type says nothing."""
+  spec = getattr(jax.typeof(x).sharding, "spec", ())
+  return any(axis is not None for axis in spec)
+
+
 def is_sharded(x: Any) -> bool:
   """Whether ``x`` is known to be split over devices: an array placed so, or a
   traced value whose type carries an explicit sharding over a mesh axis (under
   automatic sharding a tracer says nothing, and counts as not sharded)."""
   if isinstance(x, jax.core.Tracer):
-    spec = getattr(jax.typeof(x).sharding, "spec", ())
-    return any(axis is not None for axis in spec)
+    return explicitly_sharded(x)
   sharding = getattr(x, "sharding", None)
   return isinstance(x, jax.Array) and sharding is not None and not sharding.is_fully_replicated
 

@@ -194,8 +194,7 @@ def _sharded_like(tree: Any, params: Any) -> Any:
       if sharding is None or (current and current.is_equivalent_to(sharding, leaf.ndim)):
         return leaf
       return jax.device_put(leaf, sharding)
-    spec = getattr(jax.typeof(p).sharding, "spec", ())
-    if any(axis is not None for axis in spec):  # explicit sharding: the type carries it
+    if _core.explicitly_sharded(p):  # the type carries the sharding
       if jax.typeof(leaf).sharding == jax.typeof(p).sharding:
         return leaf
       return jax.sharding.reshard(leaf, jax.typeof(p).sharding)
