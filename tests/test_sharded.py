@@ -231,16 +231,21 @@ def _non_finite_batch(where: str):
   return x, y, fun
 
 
-@pytest.mark.parametrize("where", ["loss", "gradient"])
-def test_a_non_finite_microbatch_is_skipped_on_every_device_and_counted(where):
+def _non_finite_step(where, **options):
+  """An FSDP step over ``_non_finite_batch(where)``: its batch, loss, outputs and params."""
   mesh, data_axis, specs, params, _ = _place("fsdp")
   x, y, fun = _non_finite_batch(where)
   batch = jax.device_put({"x": x, "y": y}, NamedSharding(mesh, P("data")))
   vg = accum_jax.value_and_grad(
       fun, NUM_MICROBATCHES, mesh=mesh, data_axis=data_axis, param_sharding=specs,
-      return_info=True, skip_nonfinite="microbatch",
+      return_info=True, **options,
   )
-  value, grads, info = jax.jit(vg)(params, batch)
+  return x, y, fun, jax.jit(vg)(params, batch), params
+
+
+@pytest.mark.parametrize("where", ["loss", "gradient"])
+def test_a_non_finite_microbatch_is_skipped_on_every_device_and_counted(where):
+  x, y, fun, (value, grads, info), _ = _non_finite_step(where, skip_nonfinite="microbatch")
   # Microbatch 1 of every device is dropped: the other microbatches' mean.
   kept = np.concatenate([np.arange(d * 4, d * 4 + 2) for d in range(8)])
   expected = jax.value_and_grad(fun)(make_params(), {"x": x[kept], "y": y[kept]})
@@ -250,14 +255,7 @@ def test_a_non_finite_microbatch_is_skipped_on_every_device_and_counted(where):
 
 @pytest.mark.parametrize("where", ["loss", "gradient"])
 def test_by_default_a_non_finite_microbatch_skips_the_step_on_every_device(where):
-  mesh, data_axis, specs, params, _ = _place("fsdp")
-  x, y, fun = _non_finite_batch(where)
-  batch = jax.device_put({"x": x, "y": y}, NamedSharding(mesh, P("data")))
-  vg = accum_jax.value_and_grad(
-      fun, NUM_MICROBATCHES, mesh=mesh, data_axis=data_axis, param_sharding=specs,
-      return_info=True,
-  )
-  value, grads, info = jax.jit(vg)(params, batch)
+  x, y, fun, (value, grads, info), params = _non_finite_step(where)
   # The gradient is zeroed, sharded as the parameters; the loss is the batch's, as it was.
   assert bool(info.step_skipped)
   assert int(info.num_skipped) == 8 * NUM_MICROBATCHES
