@@ -629,15 +629,7 @@ def _finalise(sums: _sharding.LocalSums, shapes: _Shapes, options, call, args) -
       else x,
       (value, grads),
   )
-  state, skip = sums.state, _StepSkip(nothing_kept, acc.num_skipped, acc.weight)
-  if options.skip_step:
-    skip = _whole_step(acc)
-    grads = jax.tree.map(lambda g: jnp.where(skip.skipped, jnp.zeros((), g.dtype), g), grads)
-    if options.state_argnums:
-      old = args[options.state_argnums[0]]
-      state = jax.tree.map(lambda new, old: jnp.where(skip.skipped, old, new), state, old)
-  elif not options.skip_nonfinite:
-    skip = skip._replace(skipped=jnp.array(False))
+  grads, state, skip = _skipped(options, acc, grads, sums.state, args, nothing_kept)
   aux = jax.tree.unflatten(jax.tree.structure(shapes.aux), [
       _aux_result(total, per_example, like, r, acc.weight, call)
       for total, per_example, like, r in zip(
@@ -661,6 +653,22 @@ class _StepSkip(NamedTuple):
   skipped: jax.Array
   num_skipped: jax.Array
   total_weight: jax.Array
+
+
+def _skipped(options, acc, grads, state, args, nothing_kept) -> tuple[Any, Any, _StepSkip]:
+  """The gradient, the threaded state and what ``info`` says, by ``skip_nonfinite``:
+  with ``"step"``, a step that is not finite comes back with a zero gradient and
+  the state passed in (selects, no conditional)."""
+  skip = _StepSkip(nothing_kept, acc.num_skipped, acc.weight)
+  if options.skip_step:
+    skip = _whole_step(acc)
+    grads = jax.tree.map(lambda g: jnp.where(skip.skipped, jnp.zeros((), g.dtype), g), grads)
+    if options.state_argnums:
+      old = args[options.state_argnums[0]]
+      state = jax.tree.map(lambda new, old: jnp.where(skip.skipped, old, new), state, old)
+  elif not options.skip_nonfinite:
+    skip = skip._replace(skipped=jnp.array(False))
+  return grads, state, skip
 
 
 def _whole_step(acc: _core.Accumulator) -> _StepSkip:
