@@ -629,7 +629,7 @@ def _finalise(sums: _sharding.LocalSums, shapes: _Shapes, options, call, args) -
       else x,
       (value, grads),
   )
-  grads, state, skip = _skipped(options, acc, grads, sums.state, args, nothing_kept)
+  grads, state, skip = _skipped(options, call, acc, grads, sums.state, args, nothing_kept)
   aux = jax.tree.unflatten(jax.tree.structure(shapes.aux), [
       _aux_result(total, per_example, like, r, acc.weight, call)
       for total, per_example, like, r in zip(
@@ -655,13 +655,13 @@ class _StepSkip(NamedTuple):
   total_weight: jax.Array
 
 
-def _skipped(options, acc, grads, state, args, nothing_kept) -> tuple[Any, Any, _StepSkip]:
+def _skipped(options, call, acc, grads, state, args, nothing_kept) -> tuple[Any, Any, _StepSkip]:
   """The gradient, the threaded state and what ``info`` says, by ``skip_nonfinite``:
   with ``"step"``, a step that is not finite comes back with a zero gradient and
   the state passed in (selects, no conditional)."""
   skip = _StepSkip(nothing_kept, acc.num_skipped, acc.weight)
   if options.skip_step:
-    skip = _whole_step(acc)
+    skip = _whole_step(acc, call.plan)
     grads = jax.tree.map(lambda g: jnp.where(skip.skipped, jnp.zeros((), g.dtype), g), grads)
     if options.state_argnums:
       old = args[options.state_argnums[0]]
@@ -671,11 +671,21 @@ def _skipped(options, acc, grads, state, args, nothing_kept) -> tuple[Any, Any, 
   return grads, state, skip
 
 
-def _whole_step(acc: _core.Accumulator) -> _StepSkip:
+def _whole_step(acc: _core.Accumulator, plan: _sharding.Plan | None) -> _StepSkip:
   """``skip_nonfinite="step"``: one check of the summed loss and gradient after the
   loop (the sums are the whole batch's, every device's), no conditional. A step
-  that is skipped leaves out every microbatch of the call."""
-  skipped = ~_core.all_finite(acc.total)
+  that is skipped leaves out every microbatch of the call.
+
+  On one device the small leaves are checked packed
+  (:func:`_core.all_finite_packed`): one reduction for the norms and biases
+  rather than one each, which would take most of the compile time a many-leaf
+  model's step adds to the hand-written scan's (XLA:CPU, miniGPT: 6.5 s to
+  compile, 3.6 s packed). The packed copy is the small leaves' bytes, after the
+  loop, where a microbatch's activations are gone. Under a mesh each leaf is
+  checked where it lies: packing a sharded one would gather it.
+  """
+  check = _core.all_finite if plan is not None else _core.all_finite_packed
+  skipped = ~check(acc.total)
   return _StepSkip(
       skipped,
       jnp.where(skipped, acc.count + acc.num_skipped, acc.num_skipped),
