@@ -36,8 +36,10 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from accum_jax import _batching, _core, _options, _sharding
-from accum_jax._microbatch import MicrobatchInfo, _describe, _fold_in
+from accum_jax import _batching, _call, _core, _options, _sharding
+from accum_jax._microbatch import MicrobatchInfo
+from accum_jax._trace import describe as _describe
+from accum_jax._trace import fold_in as _fold_in
 
 # Options of value_and_grad that have no meaning here, and what to do instead.
 _REFUSED = {
@@ -81,11 +83,11 @@ def _check_supported(unsupported: dict[str, Any]) -> None:
 
 def _bind(
     options: _options.Options, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> _options.Call:
-  """``_options.bind``, with a batch that does not split refused in this door's words."""
+) -> _call.Call:
+  """``_call.bind``, with a batch that does not split refused in this door's words."""
   # pad_batch=True only keeps bind from raising with advice (pad_batch, weight_fn)
   # that this door refuses; no padding is ever applied here.
-  call = _options.bind(options._replace(pad_batch=True), args, kwargs)
+  call = _call.bind(options._replace(pad_batch=True), args, kwargs)
   if call.padding:
     parts = options.num_microbatches * call.num_shards
     where = "" if call.num_shards == 1 else f" x {call.num_shards} devices"
@@ -394,7 +396,7 @@ def _data_parallel(step, args, *, batch_argnums, argnums, plan: _sharding.Plan, 
   )(dynamic)
 
 
-def _plan(options: _options.Options, call: _options.Call) -> _sharding.Plan:
+def _plan(options: _options.Options, call: _call.Call) -> _sharding.Plan:
   """The call's reduction plan over the differentiated arguments as a tuple, as
   this door always holds them."""
   if not options.single_argnum:

@@ -3,12 +3,15 @@
 :func:`value_and_grad` is a short composition of the steps below::
 
   options = _options.make(...)                    # once, when it is built
-  call = _options.bind(options, args)             # per call: batch, sizes, gradient kinds,
-                                                  # the reduction plan under a mesh; checked
-  shapes = _trace_one(...)                        # one microbatch, abstractly; checked
-  sums = _local_sums(...)                         # scan: each microbatch's share
+  call = _call.bind(options, args, kwargs,        # per call: batch, sizes, gradient kinds,
+                    grad_fun)                     # the plan under a mesh, one microbatch
+                                                  # traced (its shapes, aux reductions); checked
+  sums = _local_sums(call, ...)                   # scan: each microbatch's share
          (or _sharding.run(_local_sums, ...))     # per device, reduced as planned
-  return _finalise(sums, ...)                     # normalise, cast, reduce aux
+  return _finalise(sums, call)                    # normalise, cast, reduce aux
+
+Data go one way: after ``bind``, the loop and the finalisation read the
+:class:`_call.Call` and call nothing above the modules they import.
 
 The loop is a ``lax.scan``: XLA knows its trip count, and nothing inside it makes
 a GPU wait on the host. By default (``skip_nonfinite="step"``) it adds every
@@ -30,7 +33,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from accum_jax import _batching, _core, _noise, _options, _sharding
+from accum_jax import _batching, _call, _core, _noise, _options, _sharding, _trace
 from accum_jax._batching import Split, divisors  # noqa: F401  (re-exported for the planner)
 from accum_jax._options import AuxReduction
 
@@ -68,216 +71,48 @@ class MicrobatchInfo(NamedTuple):
   loss_finite: jax.Array | None = None
 
 
-class _Shapes(NamedTuple):
-  """One microbatch's outputs, abstractly, and how each leaf is combined."""
-
-  value: jax.ShapeDtypeStruct
-  grads: Any
-  aux: Any
-  reductions: tuple[str, ...]  # one per leaf of aux
-  grad_kinds: tuple[str, ...] | None  # one per leaf of grads; None: all "mean"
-
-  @property
-  def kinds(self) -> tuple[str, ...] | None:
-    """Per leaf of the accumulator's ``(value, grads)``, as ``_core`` takes them."""
-    return None if self.grad_kinds is None else (self.value_kind, *self.grad_kinds)
-
-  @property
-  def value_kind(self) -> str:
-    """"sum" when every gradient leaf sums (a summed loss, ``grad_reduction="sum"``):
-    the value is then the batch's sum, as the gradient is; else "mean"."""
-    sums = [k for k in self.grad_kinds or () if not _core.is_statistic(k)]
-    return "sum" if sums and all(k == "sum" for k in sums) else "mean"
 
 
-def _describe(x: Any) -> str:
-  if isinstance(x, (tuple, list)):
-    return f"a {type(x).__name__} of {len(x)}"
-  if hasattr(x, "shape") and hasattr(x, "dtype"):
-    return f"an array of shape {tuple(x.shape)} and dtype {x.dtype}"
-  return f"a {type(x).__name__}"
 
 
-def _check_state(new: Any, old: Any, argnum: int) -> None:
-  """``new`` must be a state of the same tree, shapes and dtypes as ``old``."""
-  fix = (
-      f" fun must return (value, (new_state, aux)) with new_state shaped like its"
-      f" argument {argnum} (state_argnums), e.g. Linen's"
-      " `(loss, (updates['batch_stats'], aux))`."
-  )
-  new_structure: Any = jax.tree.structure(new)
-  if new_structure != jax.tree.structure(old):
-    raise ValueError(
-        f"The new state has structure {jax.tree.structure(new)}, but the state passed in"
-        f" has structure {jax.tree.structure(old)}.{fix}"
-    )
-  for (path, a), b in zip(jax.tree.leaves_with_path(new), jax.tree.leaves(old)):
-    if jnp.shape(a) != jnp.shape(b) or jnp.result_type(a) != jnp.result_type(b):
-      raise ValueError(
-          f"The new state's leaf {jax.tree_util.keystr(path)} has shape {jnp.shape(a)} and"
-          f" dtype {jnp.result_type(a)}, but the state passed in has shape {jnp.shape(b)}"
-          f" and dtype {jnp.result_type(b)}.{fix}"
-      )
 
 
-def _arrays(aux: Any) -> Any:
-  """``aux`` with its Python numbers as JAX arrays of their weak dtype (a metric
-  such as ``steps=1`` or ``moe_lb_loss=0.0``, which ``jax.value_and_grad``
-  takes), so that every reduction sees an array."""
-  return jax.tree.map(
-      lambda x: jnp.asarray(x) if isinstance(x, (bool, int, float, complex)) else x, aux
-  )
 
 
-def _checked(fun: Callable[..., Any], options: _options.Options) -> Callable[..., Any]:
-  """``fun`` returning ``(value, (new_state, aux))``, with what it returned checked."""
-
-  def checked(*args, **kwargs):
-    out = fun(*args, **kwargs)
-    if options.has_aux:
-      if not isinstance(out, (tuple, list)) or len(out) != 2:
-        raise ValueError(
-            f"has_aux=True, so fun must return a pair (value, aux), but it returned"
-            f" {_describe(out)}. Return (loss, aux) (gather several outputs into one aux"
-            " pytree), or pass has_aux=False."
-        )
-      value, aux = out
-    elif isinstance(out, (tuple, list)):
-      raise ValueError(
-          f"fun returned {_describe(out)}, not a scalar loss. If it returns (loss, aux),"
-          " pass has_aux=True."
-      )
-    else:
-      value, aux = out, ()
-    if not hasattr(value, "shape") or jnp.ndim(value) != 0:
-      raise ValueError(
-          f"fun must return a scalar loss, got {_describe(value)}: reduce it (e.g. with"
-          " jnp.mean), and return other outputs as aux with has_aux=True."
-      )
-    new_state = None
-    if options.state_argnums:
-      if not isinstance(aux, (tuple, list)) or len(aux) != 2:
-        raise ValueError(
-            f"With state_argnums={options.state_argnums}, fun must return (value,"
-            f" (new_state, aux)), but its aux is {_describe(aux)}. Return (loss,"
-            " (new_state, aux)), with aux=() if there is nothing else."
-        )
-      new_state, aux = aux
-      _check_state(new_state, args[options.state_argnums[0]], options.state_argnums[0])
-    return value, (new_state, _arrays(aux))
-
-  def scaled(share, *args, **kwargs):
-    # The microbatch's share of the batch's weight scales the loss before
-    # differentiation: its gradient (and every cotangent inside, which FP8
-    # scaling reads) is then at the whole batch's scale, and sums of shares,
-    # also across devices, are the batch's weighted mean.
-    value, aux = checked(*args, **kwargs)
-    # The unscaled value rides along, for its dtype and the finiteness check.
-    return value.astype(jnp.promote_types(value.dtype, jnp.float32)) * share, (value, aux)
-
-  diff = tuple(n + 1 for n in options.argnums)
-  grad_fun = jax.value_and_grad(scaled, argnums=diff[0] if options.single_argnum else diff,
-                                has_aux=True)
-  return grad_fun
 
 
-def _fold_in(key: jax.Array, index: jax.Array, shard_index: jax.Array | None) -> jax.Array:
-  """The key of microbatch ``index`` (on device ``shard_index`` under a mesh)."""
-  raw = not jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
-  if raw:  # uint32[2] (threefry) or uint32[4] (rbg), whatever the default implementation
-    key = jax.random.wrap_key_data(key, impl="threefry2x32" if key.shape == (2,) else "rbg")
-  key = jax.random.fold_in(key, index)
-  if shard_index is not None:
-    key = jax.random.fold_in(key, shard_index)
-  return jax.random.key_data(key) if raw else key
 
 
-class _Out(NamedTuple):
-  """What one microbatch gives."""
-
-  value: jax.Array  # the loss times the microbatch's share of the batch, float32 at least
-  raw_value: jax.Array  # the loss as fun returned it
-  grads: Any  # of the scaled loss, w.r.t. the parameters as fun saw them
-  state: Any  # the new state, None without state_argnums
-  aux: Any
 
 
 class _Device(NamedTuple):
   """What every microbatch of one device's loop needs."""
 
-  grad_fun: Callable[..., Any]
-  options: _options.Options
-  call: _options.Call
-  shapes: Any  # _Shapes (None while they are traced)
-  plan: _sharding.Plan | None
-  args: tuple[Any, ...]
-  kwargs: dict[str, Any]
+  call: _call.Call  # bound and traced
+  args: tuple[Any, ...]  # as this device holds them
   shard_index: jax.Array | None
   batch_weight: Any  # the whole batch's weight (every device's), float32, > 0
   gathered: Any  # the parameters gathered before the loop (gather="once"), or None
 
+  @property
+  def options(self) -> _options.Options:
+    return self.call.options
 
-def microbatch_args(
-    options: _options.Options, call: _options.Call, args: tuple[Any, ...], index: jax.Array,
-    mb: dict[int, Any], state: Any, params: Any, shard_index: jax.Array | None,
-) -> list[Any]:
-  """``args`` as ``fun`` takes them for microbatch ``index``: its rows ``mb`` (by
-  batch argnum), its keys folded in, the threaded ``state`` and ``params`` (as
-  ``fun`` sees them) in their places."""
-  call_args = list(args)
-  for n in call.batch_argnums:
-    call_args[n] = mb[n]
-  for n in options.rng_argnums:
-    call_args[n] = jax.tree.map(lambda key: _fold_in(key, index, shard_index), args[n])
-  if options.state_argnums:
-    call_args[options.state_argnums[0]] = state
-  flat = [params] if options.single_argnum else params
-  for n, p in zip(options.argnums, flat):
-    call_args[n] = p
-  return call_args
+  @property
+  def shapes(self) -> _trace.Shapes:
+    return self.call.shapes
+
+  @property
+  def plan(self) -> _sharding.Plan | None:
+    return self.call.plan
 
 
-def _one_microbatch(dev: _Device, index, mb, state, share, params) -> _Out:
-  """Value, gradient, new state and aux of microbatch ``index``, its loss scaled by ``share``."""
-  call_args = microbatch_args(dev.options, dev.call, dev.args, index, mb, state, params,
-                              dev.shard_index)
-  (value, (raw_value, (new_state, aux))), grads = dev.grad_fun(share, *call_args, **dev.kwargs)
-  return _Out(value, raw_value, grads, new_state, aux)
 
 
-def _abstract(x: Any, dtype: Any = None) -> jax.ShapeDtypeStruct:
-  return jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x) if dtype is None else dtype)
 
 
-def _trace_one(grad_fun, options, call, args, kwargs) -> _Shapes:
-  """The abstract outputs of one microbatch (a trace, no compile), checked."""
-  # JAX's own dtypes: a float64 numpy batch is float32 once traced (unless x64
-  # is on), and asking for float64 here would warn on every trace.
-  canonical = jax.dtypes.canonicalize_dtype
-  mb = {
-      n: jax.tree.map(
-          lambda x: jax.ShapeDtypeStruct((call.rows, *x.shape[1:]), canonical(x.dtype)), args[n]
-      )
-      for n in call.batch_argnums
-  }
-  state = args[options.state_argnums[0]] if options.state_argnums else None
-  params = _options.diff_args(options, args)
-  plan, grad_kinds = call.plan, call.grad_kinds
-  # The parameters as fun sees them: full-size, in the dtype they are gathered in.
-  seen = params if plan is None else jax.tree.map(
-      lambda x, leaf: _abstract(x, plan.gather_dtype if leaf.gathers else None),
-      params, jax.tree.unflatten(jax.tree.structure(params), plan.leaves),
-  )
-  dev = _Device(grad_fun, options, call, None, plan, args, kwargs, None, None, None)
-  traced = jax.jit(
-      lambda i, mb, state, p: _one_microbatch(dev, i, mb, state, jnp.float32(1.0), p),
-  ).trace(0, mb, state, seen)
-  out = traced.out_info
-  reductions = _options.check_microbatch(options, traced.jaxpr, out.aux, call.rows)
-  if all(kind == "mean" for kind in grad_kinds):
-    grad_kinds = None  # the default path, as if per-leaf kinds did not exist
-  # Gradients come back in the parameters' own shapes and dtypes.
-  return _Shapes(out.raw_value, jax.tree.map(_abstract, params), out.aux, reductions, grad_kinds)
+
+
 
 
 def _aux_sum_dtype(dtype: Any, reduction: str) -> Any:
@@ -339,17 +174,17 @@ def _batch_weight(weights, options, plan) -> jax.Array:
   return jnp.where(total > 0, total, 1.0)
 
 
-def _local_sums(grad_fun, options, call, shapes, args, shard_index, *, kwargs):
-  """This device's microbatches, looped over; returns the un-normalised sums.
+def _local_sums(call: _call.Call, args, shard_index):
+  """This device's microbatches (``args`` as it holds them), looped over; returns
+  the un-normalised sums.
 
   See :func:`_passes` for the loop and what it does about non-finite data.
   """
-  plan = call.plan
+  options, plan, shapes = call.options, call.plan, call.shapes
   batch, weights = microbatches(options, call, args)
-  params = _options.diff_args(options, args)
+  params = call.params(args)
   gathered = _sharding.gather(plan, params) if plan and plan.gather == "once" else None
-  dev = _Device(grad_fun, options, call, shapes, plan, args, kwargs, shard_index,
-                _batch_weight(weights, options, plan), gathered)
+  dev = _Device(call, args, shard_index, _batch_weight(weights, options, plan), gathered)
   start = _initial_carry(dev, params if gathered is None else gathered)
   xs = (jnp.arange(options.num_microbatches), batch, weights)
   (acc, aux_sums, state, noise), stacked, loss_finite = _passes(dev, start, xs)
@@ -380,7 +215,7 @@ def _initial_carry(dev: _Device, params: Any) -> tuple[Any, ...]:
   return acc, aux_sums, state, noise
 
 
-def _by_loss(options, out: _Out, weight, known_bad) -> jax.Array:
+def _by_loss(options, out: _trace.Out, weight, known_bad) -> jax.Array:
   """Whether a microbatch is acceptable by its loss (and what an earlier pass
   found), before any pass over its gradient: known early, so that it can zero
   the gradient before anything crosses devices."""
@@ -411,7 +246,7 @@ def _step(dev: _Device, carry, xs, *, judge: bool):
   acc, aux_sums, state, noise = carry
   index, mb, weight, known_bad = xs
   share = (1.0 if weight is None else weight) / dev.batch_weight
-  out = _one_microbatch(dev, index, mb, state, share, _params_seen(dev))
+  out = _microbatch_out(dev, index, mb, state, share)
   if dev.options.skip_nonfinite and not dev.options.skip_step:
     grads, admission, finite = _judged(dev, out, acc, weight, known_bad, judge)
     state_kept = admission.keep & finite
@@ -436,14 +271,21 @@ def _step(dev: _Device, carry, xs, *, judge: bool):
   return (acc, aux_sums, state, noise), per_example, finite
 
 
-def _params_seen(dev: _Device) -> Any:
-  """The parameters as ``fun`` sees them: full-size, gathered where sharded."""
-  if dev.gathered is not None:
-    return dev.gathered
-  return _sharding.gather(dev.plan, _options.diff_args(dev.options, dev.args))
+def _microbatch_out(dev: _Device, index, mb, state, share) -> _trace.Out:
+  """What microbatch ``index`` gives. On one device, from the jitted microbatch
+  that ``bind`` traced (its trace reused: ``fun`` is traced once); on each
+  device of a mesh, from ``fun`` traced there, with the parameters gathered
+  where they are sharded."""
+  call = dev.call
+  if dev.shard_index is None:
+    return call.microbatch(index, mb, state, share, call.params())
+  params = dev.gathered
+  if params is None:
+    params = _sharding.gather(dev.plan, call.params(dev.args))
+  return _trace.run(call.fun, dev.args, dev.shard_index, index, mb, state, share, params)
 
 
-def _unjudged(dev: _Device, out: _Out, acc, weight):
+def _unjudged(dev: _Device, out: _trace.Out, acc, weight):
   """A microbatch's gradient reduced as the plan says, added as it is (the
   whole step is judged after the loop, or nothing is): the hand-written scan's
   add, which XLA fuses into the gradient's last product.
@@ -456,14 +298,11 @@ def _unjudged(dev: _Device, out: _Out, acc, weight):
   grads = out.grads
   if weight is not None:
     counts = jnp.isfinite(weight) & (weight > 0)
-    grads = _sharding.map_scattered(
-        dev.plan, grads, lambda g: _core.masked(g, counts),
-        lambda g: _core.masked(g, admission.keep),
-    )
+    grads = _sharding.masked(dev.plan, grads, counts, admission.keep)
   return _sharding.scatter(dev.plan, grads, acc.total[1]), admission
 
 
-def _judged(dev: _Device, out: _Out, acc, weight, known_bad, judge: bool):
+def _judged(dev: _Device, out: _trace.Out, acc, weight, known_bad, judge: bool):
   """A microbatch's gradient reduced as the plan says, and what is decided about it.
 
   Returns the gradient (reduce-scattered where the plan says so, zero where it is
@@ -480,7 +319,7 @@ def _judged(dev: _Device, out: _Out, acc, weight, known_bad, judge: bool):
     # before the reduction, on this device. Its gradient, zeros, is then finite:
     # padding is never judged.
     counts = jnp.isfinite(weight) & (weight > 0)
-    grads = _sharding.map_scattered(dev.plan, grads, lambda g: _core.masked(g, counts))
+    grads = _sharding.masked(dev.plan, grads, counts)
   grads = _sharding.scatter(dev.plan, grads, acc.total[1])
   loss_ok = _by_loss(options, out, weight, known_bad)
   finite = _core.all_finite(grads) if judge else jnp.array(True)
@@ -493,9 +332,7 @@ def _judged(dev: _Device, out: _Out, acc, weight, known_bad, judge: bool):
   # Selects, which XLA fuses into the additions: a shard reduced per microbatch
   # is dropped where the devices agree to skip; what stays local, where this
   # device's microbatch is not kept.
-  grads = _sharding.map_scattered(
-      dev.plan, grads, lambda g: _core.masked(g, loss_ok), lambda g: _core.masked(g, admission.keep)
-  )
+  grads = _sharding.masked(dev.plan, grads, loss_ok, admission.keep)
   return grads, admission, finite
 
 
@@ -592,7 +429,7 @@ def _passes(dev: _Device, start, xs):
   return carry, stacked, None
 
 
-def _drop_padding(x: jax.Array, call: _options.Call) -> jax.Array:
+def _drop_padding(x: jax.Array, call: _call.Call) -> jax.Array:
   if x.shape[0] == call.batch_size:
     return x
   if call.mesh is not None and jax.sharding.AxisType.Explicit in call.mesh.axis_types:
@@ -614,9 +451,9 @@ def _aux_result(total, per_example, like, reduction, weight, call) -> jax.Array:
   return total.astype(like.dtype) if jnp.issubdtype(like.dtype, jnp.inexact) else total
 
 
-def _finalise(sums: _sharding.LocalSums, shapes: _Shapes, options, call, args) -> Any:
+def _finalise(sums: _sharding.LocalSums, call: _call.Call) -> Any:
   """Normalises the sums into what ``jax.value_and_grad`` returns."""
-  acc = sums.acc
+  options, shapes, acc = call.options, call.shapes, sums.acc
   value, grads = _core.share_result(
       acc, (shapes.value, _returned(shapes.grads, options.gradient_dtype)), sums.batch_weight,
       shapes.kinds,
@@ -629,7 +466,7 @@ def _finalise(sums: _sharding.LocalSums, shapes: _Shapes, options, call, args) -
       else x,
       (value, grads),
   )
-  grads, state, skip = _skipped(options, call, acc, grads, sums.state, args, nothing_kept)
+  grads, state, skip = _skipped(call, acc, grads, sums.state, nothing_kept)
   aux = jax.tree.unflatten(jax.tree.structure(shapes.aux), [
       _aux_result(total, per_example, like, r, acc.weight, call)
       for total, per_example, like, r in zip(
@@ -655,16 +492,17 @@ class _StepSkip(NamedTuple):
   total_weight: jax.Array
 
 
-def _skipped(options, call, acc, grads, state, args, nothing_kept) -> tuple[Any, Any, _StepSkip]:
+def _skipped(call: _call.Call, acc, grads, state, nothing_kept) -> tuple[Any, Any, _StepSkip]:
   """The gradient, the threaded state and what ``info`` says, by ``skip_nonfinite``:
   with ``"step"``, a step that is not finite comes back with a zero gradient and
   the state passed in (selects, no conditional)."""
+  options = call.options
   skip = _StepSkip(nothing_kept, acc.num_skipped, acc.weight)
   if options.skip_step:
     skip = _whole_step(acc, call.plan)
     grads = jax.tree.map(lambda g: jnp.where(skip.skipped, jnp.zeros((), g.dtype), g), grads)
     if options.state_argnums:
-      old = args[options.state_argnums[0]]
+      old = call.args[options.state_argnums[0]]
       state = jax.tree.map(lambda new, old: jnp.where(skip.skipped, old, new), state, old)
   elif not options.skip_nonfinite:
     skip = skip._replace(skipped=jnp.array(False))
@@ -699,12 +537,14 @@ def _returned(grads: Any, gradient_dtype: Any) -> Any:
   if gradient_dtype is None:
     return grads
   return jax.tree.map(
-      lambda x: _abstract(x, gradient_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+      lambda x: _trace.abstract(x, gradient_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
       grads,
   )
 
 
-def _noise_estimate(sums: _sharding.LocalSums, shapes: _Shapes) -> _noise.GradientNoise | None:
+def _noise_estimate(
+    sums: _sharding.LocalSums, shapes: _trace.Shapes
+) -> _noise.GradientNoise | None:
   """From the sums, the combined gradient's norm read off the accumulator."""
   if sums.noise is None:
     return None
@@ -715,7 +555,7 @@ def _noise_estimate(sums: _sharding.LocalSums, shapes: _Shapes) -> _noise.Gradie
   return _noise.estimate(sums.noise, _noise.mean_squared_norm(totals, factor))
 
 
-def _gradients_only(grads: Any, shapes: _Shapes) -> Any:
+def _gradients_only(grads: Any, shapes: _trace.Shapes) -> Any:
   """The leaves of ``grads`` that are gradients: "max" and "last" leaves are
   statistics, which no gradient-noise estimate should see."""
   return grads if shapes.grad_kinds is None else _core.gradient_leaves(grads, shapes.grad_kinds)
@@ -866,28 +706,29 @@ def value_and_grad(
       gather_dtype=gather_dtype, reduce_dtype=reduce_dtype, return_info=return_info,
       gradient_noise=gradient_noise, gradient_dtype=gradient_dtype,
   )
-  grad_fun = _checked(fun, options)
+  grad_fun = _trace.checked(fun, options)
 
   @functools.wraps(fun)
   def wrapped(*args, **kwargs):
-    call = _options.bind(options, args, kwargs)
-    if call.padding:
-      args = tuple(
-          _batching.pad(arg, call.padding) if n in call.batch_argnums else arg
-          for n, arg in enumerate(args)
-      )
-    shapes = _trace_one(grad_fun, options, call, args, kwargs)
-    local_sums = functools.partial(_local_sums, grad_fun, options, call, shapes, kwargs=kwargs)
-    if call.plan is None:
-      sums = local_sums(args, None)
-    else:
-      sums = _sharding.run(
-          local_sums, args, batch_argnums=call.batch_argnums, param_argnums=options.argnums,
-          plan=call.plan, grad_kinds=shapes.grad_kinds, aux_kinds=shapes.reductions,
-      )
-    return _finalise(sums, shapes, options, call, args)
+    return of_call(_call.bind(options, args, kwargs, grad_fun))
 
   return wrapped
+
+
+def of_call(call: _call.Call) -> Any:
+  """What :func:`value_and_grad` returns for a call bound and traced by
+  :func:`_call.bind`: the loop (on each device under a mesh), then the
+  finalisation."""
+  if call.plan is None:
+    sums = _local_sums(call, call.args, None)
+  else:
+    shapes = call.shapes
+    sums = _sharding.run(
+        functools.partial(_local_sums, call), call.args, batch_argnums=call.batch_argnums,
+        param_argnums=call.options.argnums, plan=call.plan, grad_kinds=shapes.grad_kinds,
+        aux_kinds=shapes.reductions,
+    )
+  return _finalise(sums, call)
 
 
 def grad(fun: Callable[..., Any], num_microbatches: int, **kwargs: Any) -> Callable[..., Any]:

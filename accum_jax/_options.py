@@ -1,10 +1,10 @@
 """The options of :func:`accum_jax.value_and_grad`, validated once.
 
 :func:`make` checks every option when the microbatched function is built and
-returns an :class:`Options`; :func:`bind` resolves the argument roles of one call
-(which arguments are the batch, their size, the mesh) as a :class:`Call`. The
-planner, the parity checker and the framework front ends use the same two, so an
-option means one thing everywhere.
+returns an :class:`Options`, with the helpers that name the arguments' roles
+(``argnums``, ``batch_argnums``, ...). ``_call.bind`` resolves one call's
+arguments against them. The planner, the parity checker and the framework front
+ends use the same options, so an option means one thing everywhere.
 """
 
 from __future__ import annotations
@@ -71,25 +71,8 @@ class Options(NamedTuple):
             "rng_argnums": self.rng_argnums, "state_argnums": self.state_argnums}
 
 
-class Call(NamedTuple):
-  """What one call's arguments resolve to."""
-
-  batch_argnums: tuple[int, ...]
-  batch_size: int  # before padding
-  padding: int  # rows of zeros appended to reach a multiple of the parts
-  mesh: Any  # None without data parallelism
-  data_axes: tuple[str, ...]  # () without
-  num_shards: int
-  rows: int  # rows of one microbatch on one device
-  grad_kinds: tuple[str, ...] = ()  # how each gradient leaf combines; see `grad_reductions`
-  plan: Any = None  # the checked _sharding.Plan under a mesh, else None
 
 
-def diff_args(options: Options, args: Sequence[Any]) -> Any:
-  """The differentiated arguments, structured as their gradient is."""
-  if options.single_argnum:
-    return args[options.argnums[0]]
-  return tuple(args[n] for n in options.argnums)
 
 
 def argnums_tuple(argnums: Any, name: str) -> tuple[int, ...]:
@@ -266,33 +249,6 @@ def _check_sharding_options(options: Options) -> None:
     )
 
 
-def _check_plan(options: Options, plan: Any, params: Any, kinds: Sequence[str]) -> None:
-  """What a call's reduction plan cannot do with these options (``kinds``: the
-  gradient leaves' :func:`grad_reductions`)."""
-  for (path, _), leaf, kind in zip(jax.tree_util.tree_flatten_with_path(params)[0],
-                                   plan.leaves, kinds):
-    if leaf.gathers and _core.is_statistic(kind):
-      raise ValueError(
-          f"The gradient leaf {jax.tree_util.keystr(path)} combines by {kind!r} (its"
-          " grad_reduction, or the default for Flax's FP8 statistics), but its parameter is"
-          f" sharded over the data axes {tuple(a for _, axes in leaf.gathers for a in axes)}"
-          f" (its spec over them is {leaf.spec}): a 'max' or 'last' leaf is combined"
-          " whole on each device after the loop. Replicate it over the data axes (such"
-          " statistics are a few numbers), or give it 'mean' or 'sum'."
-      )
-  narrow = any(
-      leaf.gathers
-      and _core.is_narrow(_core.accumulator_dtype_for(x.dtype, options.accumulator_dtype))
-      for x, leaf in zip(jax.tree.leaves(params), plan.leaves)
-  )
-  if narrow and plan.gather == "per_microbatch":
-    raise ValueError(
-        f"accumulator_dtype={options.accumulator_dtype} with parameters sharded over the"
-        f" data axes {plan.axes} and gather='per_microbatch': a narrow accumulator keeps"
-        " a running mean, which a reduce-scatter per microbatch cannot update. Keep the"
-        " float32 default (the accumulator is sharded: 4 bytes x parameters / devices),"
-        " or pass gather='once'."
-    )
 
 
 def _is_spec_leaf(x: Any) -> bool:
@@ -465,16 +421,6 @@ def is_array(x: Any) -> bool:
   return isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct))
 
 
-def _check_keys(keys: Any, argnum: int) -> None:
-  leaves = jax.tree.leaves(keys)
-  if not leaves or not all(is_key(leaf) for leaf in leaves):
-    bad = next((leaf for leaf in leaves if not is_key(leaf)), keys)
-    raise ValueError(
-        f"rng_argnums names argument {argnum}, which is not a PRNG key or a pytree of"
-        f" them (got {getattr(bad, 'dtype', type(bad).__name__)} of shape"
-        f" {jnp.shape(bad) if is_array(bad) else '?'}). Pass single keys such as"
-        " jax.random.key(0), or drop it from rng_argnums."
-    )
 
 
 def looks_like_batch(arg: Any) -> bool:
@@ -485,24 +431,6 @@ def looks_like_batch(arg: Any) -> bool:
   )
 
 
-def _find_batch(options: Options, args: tuple[Any, ...]) -> tuple[int, ...]:
-  """``batch_argnums``, or when None every positional argument that looks like a batch."""
-  if options.batch_argnums is not None:
-    return options.batch_argnums
-  taken = {*options.argnums, *options.rng_argnums, *options.state_argnums}
-  found = tuple(
-      i for i, arg in enumerate(args) if i not in taken and looks_like_batch(arg)
-  )
-  if not found:
-    roles = {name: nums for name, nums in options.roles().items() if nums}
-    others = " and ".join(f"{name}={nums}" for name, nums in roles.items())
-    raise ValueError(
-        f"No batch to split: none of the {len(args)} positional argument(s) other than"
-        f" {others} is a pytree of arrays with a leading batch axis.{_taken_batch(roles, args)}"
-        " Pass the batch positionally (keyword arguments are never split), or name it"
-        " with batch_argnums=."
-    )
-  return found
 
 
 def check_unambiguous(found: tuple[int, ...], args: Sequence[Any], fix: str = "") -> None:
@@ -529,201 +457,27 @@ def check_unambiguous(found: tuple[int, ...], args: Sequence[Any], fix: str = ""
   )
 
 
-_TAKEN_AS = {"rng_argnums": "a PRNG key", "state_argnums": "the threaded state"}
 
 
-def _taken_batch(roles: dict[str, tuple[int, ...]], args: tuple[Any, ...]) -> str:
-  """The sentence naming an argument that looks like the batch but another role took."""
-  for name, what in _TAKEN_AS.items():
-    for n in roles.get(name, ()):
-      if n < len(args) and looks_like_batch(args[n]):
-        leaf = jax.tree.leaves(args[n])[0]
-        return (
-            f" {name}={roles[name]} takes argument {n}, which looks like a batch"
-            f" ({jnp.result_type(leaf)} of shape {jnp.shape(leaf)}), as {what}: if it is"
-            f" the batch, drop it from {name}."
-        )
-  return ""
 
 
-def _check_in_range(options: Options, batch: tuple[int, ...], num_args: int) -> None:
-  for role, nums in options.roles(batch).items():
-    for n in nums:
-      if n >= num_args:
-        raise ValueError(
-            f"{role}={nums} names argument {n}, but the function was called with"
-            f" {num_args} positional argument(s). Pass it positionally, or fix {role}."
-        )
 
 
-def _check_differentiable(options: Options, args: tuple[Any, ...]) -> None:
-  for n in options.argnums:
-    for path, leaf in jax.tree.leaves_with_path(args[n]):
-      if not is_array(leaf) and not isinstance(leaf, (int, float, complex)):
-        raise ValueError(
-            f"argnums={options.argnums} differentiates argument {n}, which holds"
-            f" {type(leaf).__name__} at {jax.tree_util.keystr(path) or 'its root'}, not an"
-            " array. For an Equinox module use accum_jax.equinox.filter_value_and_grad"
-            " (or eqx.partition the arrays out of it); for Flax NNX use"
-            " accum_jax.flax.nnx_value_and_grad."
-        )
 
 
-def _is_dynamic_loss_scale(x: Any) -> bool:
-  """A ``jmp.DynamicLossScale``, or an object with its interface."""
-  return all(hasattr(x, a) for a in ("loss_scale", "counter", "adjust", "unscale"))
 
 
-_OVERFLOW_UNSEEN = (
-    "with skip_nonfinite left at its default ('step'), a step in which a microbatch's"
-    " scaled loss overflows would come back with a zero gradient, which is finite, so"
-    " jmp.all_finite(grads) would hold and the scale would never see the overflow."
-)
-_LOSS_SCALE_RECIPES = (
-    " To let the scale see it, pass skip_nonfinite=False, so that an overflow makes the"
-    " gradient non-finite as on the whole batch (jmp.all_finite(grads) then lowers the"
-    " scale and the step is skipped); or pass skip_nonfinite='step' with return_info=True"
-    " and count info.step_skipped as an overflow, or skip_nonfinite='microbatch' (only"
-    " the microbatches that overflow are left out) with return_info=True and count"
-    " info.num_skipped > 0 as one."
-)
 
 
-def _check_loss_scale(options: Options, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-  if options.skip_nonfinite_given:
-    return
-  where = [f"argument {i}" for i, a in enumerate(args) if _is_dynamic_loss_scale(a)]
-  where += [f"keyword argument {k!r}" for k, a in kwargs.items() if _is_dynamic_loss_scale(a)]
-  if where:
-    raise ValueError(
-        f"The {where[0]} is a dynamic loss scale: {_OVERFLOW_UNSEEN}{_LOSS_SCALE_RECIPES}"
-    )
 
 
-def check_microbatch(options: Options, jaxpr: Any, aux: Any, rows: int) -> tuple[str, ...]:
-  """What one microbatch computes (its ``jaxpr`` and abstract ``aux``), checked
-  against the options; returns how each aux leaf is reduced (see
-  :func:`_aux_reductions`)."""
-  _check_float16(options, jaxpr)
-  return _aux_reductions(aux, options.aux_reduction, rows)
 
 
-def _aux_reductions(aux: Any, spec: Any, rows: int) -> tuple[str, ...]:
-  """How each aux leaf is reduced (``spec``: ``aux_reduction``, maybe per leaf). By
-  default a leaf with a leading axis of the microbatch's rows is per-example
-  (concatenated); any other is averaged."""
-  reductions = []
-  given = per_leaf_spec(_completed(spec, aux), aux, "aux_reduction", "the aux")
-  for (path, leaf), (requested, _) in zip(jax.tree.leaves_with_path(aux), given):
-    per_example = len(leaf.shape) >= 1 and leaf.shape[0] == rows
-    if requested == "concat" and not per_example:
-      raise ValueError(
-          f"aux_reduction='concat' returns per-example outputs in batch order, but aux"
-          f" leaf {jax.tree_util.keystr(path) or '(the aux)'} has shape {leaf.shape}, with"
-          f" no leading axis of the microbatch's {rows} rows. Return one row per example,"
-          " or reduce it with aux_reduction='mean' or 'sum'."
-      )
-    reductions.append(requested or ("concat" if per_example else "mean"))
-  return tuple(reductions)
 
 
-def _completed(spec: Any, tree: Any, where: str = "") -> Any:
-  """``spec`` with None (the default) for each key of a dict in ``tree`` that the
-  dict at the same place in ``spec`` leaves out: a mapping may name some keys of
-  a large aux (MaxText's has ten) and leave the rest at the default. A key that
-  ``tree`` does not have is refused, so that a misspelt one is not ignored."""
-  if isinstance(spec, dict) and isinstance(tree, dict):
-    if unknown := sorted(set(spec) - set(tree), key=str):
-      raise ValueError(
-          f"aux_reduction names {unknown[0]!r}{f' at {where}' if where else ''}, which the"
-          f" aux does not have (its keys there: {sorted(tree, key=str)}). Name keys of the"
-          " aux; those left out take the default."
-      )
-    return {k: _completed(spec.get(k), v, f"{where}[{k!r}]") for k, v in tree.items()}
-  if isinstance(spec, (tuple, list)) and type(spec) is type(tree) and len(spec) == len(tree):
-    return type(spec)(_completed(s, t, f"{where}[{i}]")
-                      for i, (s, t) in enumerate(zip(spec, tree)))
-  return spec
 
 
-def _check_float16(options: Options, jaxpr: Any) -> None:
-  """ValueError if one microbatch (``jaxpr``) computes in float16 and
-  ``skip_nonfinite`` is left at its default.
-
-  float16 overflows at 65504, so float16 training scales its loss, and a dynamic
-  scale must see each overflow. A scale passed as an argument is recognised by
-  :func:`bind`; one closed over by ``fun`` is not, but its float16 arithmetic
-  is, in the jaxpr of the microbatch. bfloat16 has float32's range and needs no
-  loss scale: it is not refused.
-  """
-  if options.skip_nonfinite_given:
-    return
-  found = _first_float16(jaxpr)
-  if found is not None:
-    primitive, aval = found
-    raise ValueError(
-        f"fun computes in float16 ({primitive} gives a float16 array of shape"
-        f" {tuple(aval.shape)}) and skip_nonfinite is left at its default ('step'): a"
-        " step in which a microbatch overflows would come back with a zero gradient, which"
-        " is finite, so a dynamic loss scale, closed over by fun or passed to it, would"
-        f" never see the overflow.{_LOSS_SCALE_RECIPES} Without a loss scale, pass"
-        " skip_nonfinite='step' to skip the steps that overflow, or 'microbatch' to leave"
-        " out only the microbatches that do (return_info=True counts them). bfloat16"
-        " needs no loss scale and is not refused."
-    )
 
 
-def _first_float16(jaxpr: Any) -> tuple[str, Any] | None:
-  """The first equation of ``jaxpr`` (or of a jaxpr inside it) giving a float16 value."""
-  for eqn in jaxpr.eqns:
-    for var in eqn.outvars:
-      if getattr(var.aval, "dtype", None) == jnp.float16:
-        return eqn.primitive.name, var.aval
-    for param in eqn.params.values():
-      for sub in param if isinstance(param, tuple | list) else (param,):
-        if isinstance(sub, jax.extend.core.ClosedJaxpr):
-          sub = sub.jaxpr
-        if isinstance(sub, jax.extend.core.Jaxpr) and (found := _first_float16(sub)):
-          return found
-  return None
 
 
-def bind(options: Options, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> Call:
-  """Resolves one call's positional ``args``: their roles, the batch's sizes, how
-  each gradient leaf combines and, under a mesh, the checked reduction plan.
-  ValueError for anything about them that does not fit the options; an
-  ``UnknownShardingWarning`` where the plan takes a parameter whose sharding the
-  trace cannot see as replicated (once per call, so once per trace under jit)."""
-  _check_loss_scale(options, args, kwargs or {})
-  batch = _find_batch(options, args)
-  _check_in_range(options, batch, len(args))
-  if options.batch_argnums is None:
-    check_unambiguous(batch, args)
-  if options.batch_argnums is None:
-    _check_roles(options.roles(batch))
-  _check_differentiable(options, args)
-  for n in options.rng_argnums:
-    _check_keys(args[n], n)
-  size = _batching.batch_size({n: args[n] for n in batch})
-  mesh, num_shards = None, 1
-  axes: tuple[str, ...] = ()
-  if options.data_parallel:
-    mesh, axes = _sharding.resolve_mesh(options.mesh, options.data_axis)
-    num_shards = _sharding.num_shards(mesh, axes)
-  padding = -size % (options.num_microbatches * num_shards)
-  if padding and not options.pad_batch:
-    _batching.check_divisible(size, options.num_microbatches, num_shards)
-  rows = (size + padding) // (num_shards * options.num_microbatches)
-  params = diff_args(options, args)
-  kinds = grad_reductions(options.grad_reduction, params)
-  plan = None
-  if mesh is not None:
-    plan = _sharding.plan(
-        mesh, axes, params, param_sharding=options.param_sharding, gather=options.gather,
-        gather_dtype=options.gather_dtype, reduce_dtype=options.reduce_dtype,
-    )
-    _check_plan(options, plan, params, kinds)
-    _sharding.warn_hidden(
-        plan, params, options.argnums, options.single_argnum, options.accumulator_dtype
-    )
-  return Call(batch, size, padding, mesh, axes, num_shards, rows, kinds, plan)

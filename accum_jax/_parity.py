@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from accum_jax import _microbatch, _options, _planner, _sharding
+from accum_jax import _call, _microbatch, _options, _planner, _sharding
 
 # Names of batch leaves that hold per-element validity or weights.
 _MASK_NAMES = ("mask", "valid", "padding", "weight")
@@ -395,7 +395,7 @@ def _diagnose(
 ) -> list[str]:
   """The recognised causes of a failed check, in words: by-design causes first."""
   parsed = _options.make(num_microbatches, **options)
-  batch_nums = _options.bind(parsed, args).batch_argnums
+  batch_nums = _call.bind(parsed, args).batch_argnums
   # Causes that make parity fail whatever the weights: with one of them, a
   # weight_fn cannot be checked against the reference, so none is tried.
   by_design = [
@@ -552,7 +552,7 @@ def _transport_causes(options: _options.Options, args: tuple[Any, ...]) -> list[
   """Sharded parameters gathered, or gradients reduced, in a narrower dtype."""
   if not options.data_parallel:
     return []
-  params = _options.diff_args(options, args)
+  params = _call.diff_args(options, args)
   widest = max((jnp.finfo(jnp.result_type(x)).bits for x in jax.tree.leaves(params)
                 if jnp.issubdtype(jnp.result_type(x), jnp.floating)), default=0)
   narrow = [

@@ -56,7 +56,7 @@ from typing import Any
 
 import jax
 
-from accum_jax import _batching, _microbatch, _options, _sharding
+from accum_jax import _batching, _call, _microbatch, _options, _sharding
 
 _MIB = 2**20
 # The gather modes of sharded parameters, the leanest first; at equal
@@ -213,12 +213,12 @@ def _check_budget(memory_budget_bytes: Any) -> int:
   return int(float(memory_budget_bytes))
 
 
-def _bind(args: tuple[Any, ...], options: Mapping[str, Any]) -> _options.Call:
+def _bind(args: tuple[Any, ...], options: Mapping[str, Any]) -> _call.Call:
   """The call's roles and sizes for one microbatch: ``rows`` is the batch size each
   device splits into microbatches (padded)."""
   parsed = _options.make(1, **options)
   try:
-    return _options.bind(parsed, args)
+    return _call.bind(parsed, args)
   except ValueError as e:
     raise ValueError(
         f"{e} (plan_microbatches got {len(args)} argument(s) to plan with: pass the step's"
@@ -238,18 +238,18 @@ def read_param_sharding(args: tuple[Any, ...], options: Mapping[str, Any]) -> An
   given = options.get("param_sharding")
   if given is not None or (options.get("mesh") is None and options.get("data_axis") is None):
     return given
-  params = _options.diff_args(_options.make(1, **options), args)
+  params = _call.diff_args(_options.make(1, **options), args)
   return jax.tree.map(lambda x: _sharding.spec_of(x), params)
 
 
 def _gathers(
-    call: _options.Call, args: tuple[Any, ...], options: Mapping[str, Any]
+    call: _call.Call, args: tuple[Any, ...], options: Mapping[str, Any]
 ) -> tuple[str | None, ...]:
   """The reductions to compare: both gather modes where a parameter is sharded over
   a data axis (unless ``gather=`` is given), else one (None)."""
   if call.mesh is None:
     return (None,)
-  params = _options.diff_args(_options.make(1, **options), args)
+  params = _call.diff_args(_options.make(1, **options), args)
   plan = _sharding.plan(
       call.mesh, call.data_axes, params, param_sharding=options.get("param_sharding")
   )
@@ -427,7 +427,7 @@ def _no_fit(
     leanest: Mapping[int, int],
     gather_estimates: Mapping[tuple[str, int], int],
     ordered: list[int],
-    call: _options.Call,
+    call: _call.Call,
     budget: int,
 ) -> MemoryBudgetError:
   """The error when nothing fits: the smallest estimate, every estimate, what to try."""

@@ -440,15 +440,19 @@ def scatter(plan: Plan | None, grads: Any, like: Any) -> Any:
   ])
 
 
-def map_scattered(
-    plan: Plan | None, tree: Any, scattered: Callable[[Any], Any],
-    local: Callable[[Any], Any] = lambda x: x,
+def masked(
+    plan: Plan | None, tree: Any, scattered: jax.Array, local: jax.Array | None = None
 ) -> Any:
-  """``scattered`` on the leaves reduce-scattered per microbatch, ``local`` on the others."""
+  """``tree`` with zeros where a microbatch is not kept (:func:`_core.masked`): the
+  leaves reduce-scattered per microbatch where ``scattered`` is False, the others
+  where ``local`` is (None: they are left as they are)."""
+  def local_leaf(x):
+    return x if local is None else _core.masked(x, local)
+
   if plan is None or not plan.scatters_per_microbatch:
-    return jax.tree.map(local, tree)
+    return jax.tree.map(local_leaf, tree)
   leaves = [
-      scattered(x) if leaf.gathers else local(x)
+      _core.masked(x, scattered) if leaf.gathers else local_leaf(x)
       for x, leaf in zip(jax.tree.leaves(tree), plan.leaves)
   ]
   return jax.tree.unflatten(jax.tree.structure(tree), leaves)

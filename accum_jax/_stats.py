@@ -30,8 +30,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from accum_jax import _batching, _core, _microbatch, _options, _sharding
-from accum_jax._microbatch import _describe
+from accum_jax import _call, _core, _microbatch, _options, _sharding, _trace
+from accum_jax._trace import describe as _describe
 
 
 def _split_out(out: Any, has_aux: bool) -> tuple[Any, Any, Any]:
@@ -57,23 +57,24 @@ def _split_out(out: Any, has_aux: bool) -> tuple[Any, Any, Any]:
   return loss, stats, aux
 
 
-def _check_stats_shapes(fun, options, call, args, kwargs) -> None:
+def _check_stats_shapes(fun, call: _call.Call) -> None:
   """Statistics are means over a microbatch's tokens: their shapes cannot depend on
   how many rows it has. Per-token values returned unreduced would be averaged
   position by position over the microbatches, silently wrong; one abstract trace
   of a single-row microbatch (no compile) catches them."""
   if call.rows == 1:
     return
+  options, args = call.options, call.args
 
   def shapes(rows):
     mb = {n: jax.tree.map(lambda x: jax.ShapeDtypeStruct((rows, *x.shape[1:]), x.dtype),
                           args[n]) for n in call.batch_argnums}
-    params = _options.diff_args(options, args)
+    params = call.params()
 
     def stats(mb):
-      call_args = _microbatch.microbatch_args(options, call, args, jnp.int32(0), mb, None, params,
-                                              None)
-      return _split_out(fun(*call_args, **kwargs), options.has_aux)[1]
+      call_args = _trace.microbatch_args(options, call.batch_argnums, args, jnp.int32(0), mb,
+                                         None, params, None)
+      return _split_out(fun(*call_args, **call.kwargs), options.has_aux)[1]
 
     return jax.eval_shape(stats, mb)
 
@@ -88,7 +89,7 @@ def _check_stats_shapes(fun, options, call, args, kwargs) -> None:
           " the token mask as the loss is).")
 
 
-def _local_statistics(fun, options, call, args, shard_index, *, kwargs):
+def _local_statistics(fun, call: _call.Call, args, shard_index):
   """This device's weighted sums of its microbatches' statistics, and their weight.
 
   A forward pass per microbatch, with the rows and keys pass 2 gives it. A
@@ -97,18 +98,18 @@ def _local_statistics(fun, options, call, args, shard_index, *, kwargs):
   weighs nothing). The statistics of each microbatch, a few numbers, are stacked
   and summed after the loop.
   """
+  options, plan = call.options, call.plan
   batch, weights = _microbatch.microbatches(options, call, args)
-  plan = call.plan
-  params = _options.diff_args(options, args)
+  params = call.params(args)
   if plan is not None and plan.gather == "once":
     params = _sharding.gather(plan, params)
 
   def forward(_, x):
     index, mb, weight = x
     seen = params if plan is None or plan.gather == "once" else _sharding.gather(plan, params)
-    call_args = _microbatch.microbatch_args(options, call, args, index, mb, None, seen,
-                                            shard_index)
-    loss, stats, _ = _split_out(fun(*call_args, **kwargs), options.has_aux)
+    call_args = _trace.microbatch_args(options, call.batch_argnums, args, index, mb, None, seen,
+                                       shard_index)
+    loss, stats, _ = _split_out(fun(*call_args, **call.kwargs), options.has_aux)
     w = jnp.float32(1.0) if weight is None else weight
     keep = jnp.isfinite(loss) & _core.all_finite(stats) & jnp.isfinite(w) & (w > 0)
     w = jnp.where(keep, w, 0.0)
@@ -120,16 +121,16 @@ def _local_statistics(fun, options, call, args, shard_index, *, kwargs):
   return jax.tree.map(lambda s: jnp.sum(s, axis=0), stats), jnp.sum(w)
 
 
-def _statistics(fun, options, call, args, kwargs) -> Any:
+def _statistics(fun, call: _call.Call) -> Any:
   """Pass 1: the whole batch's statistics (every device's), float32."""
-  local = functools.partial(_local_statistics, fun, options, call, kwargs=kwargs)
+  local = functools.partial(_local_statistics, fun, call)
   if call.plan is None:
-    total, weight = local(args, None)
+    total, weight = local(call.args, None)
   else:
     axes = call.plan.axes
     total, weight = _sharding.map_devices(
-        lambda args, shard_index: jax.lax.psum(local(args, shard_index), axes), args,
-        batch_argnums=call.batch_argnums, param_argnums=options.argnums, plan=call.plan,
+        lambda args, shard_index: jax.lax.psum(local(args, shard_index), axes), call.args,
+        batch_argnums=call.batch_argnums, param_argnums=call.options.argnums, plan=call.plan,
         out_specs=P(),
     )
   return jax.tree.map(lambda t: t / weight, total)
@@ -254,21 +255,17 @@ def stats_value_and_grad(
   parsed = _options.make(
       num_microbatches, argnums=argnums, batch_argnums=batch_argnums, has_aux=has_aux,
       weight_fn=weight_fn, rng_argnums=rng_argnums, **options)
-  linearised = _linearised(fun, has_aux)
+  linearised = _trace.checked(_linearised(fun, has_aux), parsed)
 
   @functools.wraps(fun)
   def wrapped(*args, **kwargs):
-    call = _options.bind(parsed, args, kwargs)
-    padded = tuple(
-        _batching.pad(arg, call.padding) if call.padding and n in call.batch_argnums else arg
-        for n, arg in enumerate(args))
-    _check_stats_shapes(fun, parsed, call, padded, kwargs)
-    stats = _statistics(fun, parsed, call, padded, kwargs)
+    call = _call.bind(parsed, args, kwargs)
+    _check_stats_shapes(fun, call)
+    stats = _statistics(fun, call)
     stats_value, coupling = _stats_loss_at(stats_loss, stats)
-    vg = _microbatch.value_and_grad(
-        linearised, num_microbatches, argnums=argnums, batch_argnums=call.batch_argnums,
-        has_aux=has_aux, weight_fn=weight_fn, rng_argnums=rng_argnums, **options)
-    out, grads, *info = vg(*args, coupling, **kwargs)
+    # Pass 2 is the same call, with the coupling as one more (unsplit) argument.
+    pass_2 = _call.traced(call._replace(args=(*call.args, coupling)), linearised)
+    out, grads, *info = _microbatch.of_call(pass_2)
     correction = stats_value - sum(jnp.vdot(c, s) for c, s in
                                    zip(jax.tree.leaves(coupling), jax.tree.leaves(stats)))
     if has_aux:

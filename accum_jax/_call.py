@@ -1,0 +1,257 @@
+"""One call of a microbatched function, bound: everything its loop reads.
+
+:func:`bind` resolves a call's positional arguments once: which are the batch
+and its sizes (the batch padded where ``pad_batch`` asks), the mesh and the
+reduction plan, how each gradient leaf combines and, given the function the
+loop differentiates, one microbatch traced (its outputs' shapes, how each aux
+leaf reduces, and the jitted microbatch the loop calls). The trace, the loop and
+the finalisation read the :class:`Call` it returns, and nothing after it goes
+back to the options. The inside-step door, the statistics door, the cached door,
+the planner and the parity checker bind the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from accum_jax import _batching, _core, _options, _sharding, _trace
+
+
+class Call(NamedTuple):
+  """What one call's arguments resolve to, and, once traced, one microbatch."""
+
+  options: _options.Options
+  args: tuple[Any, ...]  # the positional arguments, the batch padded
+  kwargs: dict[str, Any]
+  batch_argnums: tuple[int, ...]
+  batch_size: int  # before padding
+  padding: int  # rows of zeros appended to reach a multiple of the parts
+  mesh: Any  # None without data parallelism
+  data_axes: tuple[str, ...]  # () without
+  num_shards: int
+  rows: int  # rows of one microbatch on one device
+  grad_kinds: tuple[str, ...]  # how each gradient leaf combines; see `_options.grad_reductions`
+  plan: Any = None  # the checked _sharding.Plan under a mesh, else None
+  # Once traced (see `traced`), else None: what every microbatch's call needs (a
+  # _trace.Fun), one microbatch's outputs (_trace.Shapes), the jitted microbatch.
+  fun: Any = None
+  shapes: Any = None
+  microbatch: Any = None
+
+  def params(self, args: Sequence[Any] | None = None) -> Any:
+    """The differentiated arguments (of ``args``, by default the call's),
+    structured as their gradient is."""
+    return diff_args(self.options, self.args if args is None else args)
+
+
+def diff_args(options: _options.Options, args: Sequence[Any]) -> Any:
+  """The differentiated arguments, structured as their gradient is."""
+  if options.single_argnum:
+    return args[options.argnums[0]]
+  return tuple(args[n] for n in options.argnums)
+
+
+def bind(
+    options: _options.Options, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None,
+    grad_fun: Callable[..., Any] | None = None,
+) -> Call:
+  """Resolves one call's positional ``args``: their roles, the batch's sizes, how
+  each gradient leaf combines and, under a mesh, the checked reduction plan; with
+  ``grad_fun`` (:func:`_trace.checked`), one microbatch traced (:func:`traced`).
+
+  ValueError for anything about them that does not fit the options; an
+  ``UnknownShardingWarning`` where the plan takes a parameter whose sharding the
+  trace cannot see as replicated (once per call, so once per trace under jit).
+  """
+  kwargs = kwargs or {}
+  batch = _checked_roles(options, args, kwargs)
+  size = _batching.batch_size({n: args[n] for n in batch})
+  mesh, num_shards = None, 1
+  axes: tuple[str, ...] = ()
+  if options.data_parallel:
+    mesh, axes = _sharding.resolve_mesh(options.mesh, options.data_axis)
+    num_shards = _sharding.num_shards(mesh, axes)
+  padding = -size % (options.num_microbatches * num_shards)
+  if padding and not options.pad_batch:
+    _batching.check_divisible(size, options.num_microbatches, num_shards)
+  rows = (size + padding) // (num_shards * options.num_microbatches)
+  params = diff_args(options, args)
+  kinds = _options.grad_reductions(options.grad_reduction, params)
+  plan = None if mesh is None else _plan(options, mesh, axes, params, kinds)
+  if padding:
+    args = tuple(_batching.pad(a, padding) if n in batch else a for n, a in enumerate(args))
+  call = Call(options, tuple(args), kwargs, batch, size, padding, mesh, axes, num_shards, rows,
+              kinds, plan)
+  return call if grad_fun is None else traced(call, grad_fun)
+
+
+def traced(call: Call, grad_fun: Callable[..., Any]) -> Call:
+  """``call`` with one microbatch of ``grad_fun`` traced (:func:`_trace.trace`)."""
+  fun = _trace.Fun(grad_fun, call.options, call.batch_argnums, call.kwargs)
+  params, plan = call.params(), call.plan
+  # The parameters as fun sees them: full-size, in the dtype they are gathered in.
+  seen = params if plan is None else jax.tree.map(
+      lambda x, leaf: _trace.abstract(x, plan.gather_dtype if leaf.gathers else None),
+      params, jax.tree.unflatten(jax.tree.structure(params), plan.leaves),
+  )
+  shapes, one = _trace.trace(fun, call.args, call.rows, seen, params, call.grad_kinds)
+  return call._replace(fun=fun, shapes=shapes, microbatch=one)
+
+
+def _checked_roles(options: _options.Options, args: tuple[Any, ...], kwargs) -> tuple[int, ...]:
+  """The batch's argument numbers, with every argument's role checked."""
+  _check_loss_scale(options, args, kwargs)
+  batch = _find_batch(options, args)
+  _check_in_range(options, batch, len(args))
+  if options.batch_argnums is None:
+    _options.check_unambiguous(batch, args)
+    _options.check_roles(
+        {f"{name}={nums}": nums for name, nums in options.roles(batch).items()}
+    )
+  _check_differentiable(options, args)
+  for n in options.rng_argnums:
+    _check_keys(args[n], n)
+  return batch
+
+
+def _plan(options: _options.Options, mesh, axes, params, kinds) -> _sharding.Plan:
+  """The reduction plan of ``params`` over the data ``axes``, checked."""
+  plan = _sharding.plan(
+      mesh, axes, params, param_sharding=options.param_sharding, gather=options.gather,
+      gather_dtype=options.gather_dtype, reduce_dtype=options.reduce_dtype,
+  )
+  _check_plan(options, plan, params, kinds)
+  _sharding.warn_hidden(
+      plan, params, options.argnums, options.single_argnum, options.accumulator_dtype
+  )
+  return plan
+
+
+def _check_keys(keys: Any, argnum: int) -> None:
+  leaves = jax.tree.leaves(keys)
+  if not leaves or not all(_options.is_key(leaf) for leaf in leaves):
+    bad = next((leaf for leaf in leaves if not _options.is_key(leaf)), keys)
+    raise ValueError(
+        f"rng_argnums names argument {argnum}, which is not a PRNG key or a pytree of"
+        f" them (got {getattr(bad, 'dtype', type(bad).__name__)} of shape"
+        f" {jnp.shape(bad) if _options.is_array(bad) else '?'}). Pass single keys such as"
+        " jax.random.key(0), or drop it from rng_argnums."
+    )
+
+
+def _find_batch(options: _options.Options, args: tuple[Any, ...]) -> tuple[int, ...]:
+  """``batch_argnums``, or when None every positional argument that looks like a batch."""
+  if options.batch_argnums is not None:
+    return options.batch_argnums
+  taken = {*options.argnums, *options.rng_argnums, *options.state_argnums}
+  found = tuple(
+      i for i, arg in enumerate(args) if i not in taken and _options.looks_like_batch(arg)
+  )
+  if not found:
+    roles = {name: nums for name, nums in options.roles().items() if nums}
+    others = " and ".join(f"{name}={nums}" for name, nums in roles.items())
+    raise ValueError(
+        f"No batch to split: none of the {len(args)} positional argument(s) other than"
+        f" {others} is a pytree of arrays with a leading batch axis.{_taken_batch(roles, args)}"
+        " Pass the batch positionally (keyword arguments are never split), or name it"
+        " with batch_argnums=."
+    )
+  return found
+
+
+_TAKEN_AS = {"rng_argnums": "a PRNG key", "state_argnums": "the threaded state"}
+
+
+def _taken_batch(roles: dict[str, tuple[int, ...]], args: tuple[Any, ...]) -> str:
+  """The sentence naming an argument that looks like the batch but another role took."""
+  for name, what in _TAKEN_AS.items():
+    for n in roles.get(name, ()):
+      if n < len(args) and _options.looks_like_batch(args[n]):
+        leaf = jax.tree.leaves(args[n])[0]
+        return (
+            f" {name}={roles[name]} takes argument {n}, which looks like a batch"
+            f" ({jnp.result_type(leaf)} of shape {jnp.shape(leaf)}), as {what}: if it is"
+            f" the batch, drop it from {name}."
+        )
+  return ""
+
+
+def _check_in_range(options: _options.Options, batch: tuple[int, ...], num_args: int) -> None:
+  for role, nums in options.roles(batch).items():
+    for n in nums:
+      if n >= num_args:
+        raise ValueError(
+            f"{role}={nums} names argument {n}, but the function was called with"
+            f" {num_args} positional argument(s). Pass it positionally, or fix {role}."
+        )
+
+
+def _check_differentiable(options: _options.Options, args: tuple[Any, ...]) -> None:
+  for n in options.argnums:
+    for path, leaf in jax.tree.leaves_with_path(args[n]):
+      if not _options.is_array(leaf) and not isinstance(leaf, (int, float, complex)):
+        raise ValueError(
+            f"argnums={options.argnums} differentiates argument {n}, which holds"
+            f" {type(leaf).__name__} at {jax.tree_util.keystr(path) or 'its root'}, not an"
+            " array. For an Equinox module use accum_jax.equinox.filter_value_and_grad"
+            " (or eqx.partition the arrays out of it); for Flax NNX use"
+            " accum_jax.flax.nnx_value_and_grad."
+        )
+
+
+def _is_dynamic_loss_scale(x: Any) -> bool:
+  """A ``jmp.DynamicLossScale``, or an object with its interface."""
+  return all(hasattr(x, a) for a in ("loss_scale", "counter", "adjust", "unscale"))
+
+
+_OVERFLOW_UNSEEN = (
+    "with skip_nonfinite left at its default ('step'), a step in which a microbatch's"
+    " scaled loss overflows would come back with a zero gradient, which is finite, so"
+    " jmp.all_finite(grads) would hold and the scale would never see the overflow."
+)
+
+
+def _check_loss_scale(
+    options: _options.Options, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
+  if options.skip_nonfinite_given:
+    return
+  where = [f"argument {i}" for i, a in enumerate(args) if _is_dynamic_loss_scale(a)]
+  where += [f"keyword argument {k!r}" for k, a in kwargs.items() if _is_dynamic_loss_scale(a)]
+  if where:
+    raise ValueError(
+        f"The {where[0]} is a dynamic loss scale: {_OVERFLOW_UNSEEN}{_trace.LOSS_SCALE_RECIPES}"
+    )
+
+
+def _check_plan(options: _options.Options, plan: Any, params: Any, kinds: Sequence[str]) -> None:
+  """What a call's reduction plan cannot do with these options (``kinds``: the
+  gradient leaves' :func:`grad_reductions`)."""
+  for (path, _), leaf, kind in zip(jax.tree_util.tree_flatten_with_path(params)[0],
+                                   plan.leaves, kinds):
+    if leaf.gathers and _core.is_statistic(kind):
+      raise ValueError(
+          f"The gradient leaf {jax.tree_util.keystr(path)} combines by {kind!r} (its"
+          " grad_reduction, or the default for Flax's FP8 statistics), but its parameter is"
+          f" sharded over the data axes {tuple(a for _, axes in leaf.gathers for a in axes)}"
+          f" (its spec over them is {leaf.spec}): a 'max' or 'last' leaf is combined"
+          " whole on each device after the loop. Replicate it over the data axes (such"
+          " statistics are a few numbers), or give it 'mean' or 'sum'."
+      )
+  narrow = any(
+      leaf.gathers
+      and _core.is_narrow(_core.accumulator_dtype_for(x.dtype, options.accumulator_dtype))
+      for x, leaf in zip(jax.tree.leaves(params), plan.leaves)
+  )
+  if narrow and plan.gather == "per_microbatch":
+    raise ValueError(
+        f"accumulator_dtype={options.accumulator_dtype} with parameters sharded over the"
+        f" data axes {plan.axes} and gather='per_microbatch': a narrow accumulator keeps"
+        " a running mean, which a reduce-scatter per microbatch cannot update. Keep the"
+        " float32 default (the accumulator is sharded: 4 bytes x parameters / devices),"
+        " or pass gather='once'."
+    )

@@ -1,0 +1,323 @@
+"""One microbatch of ``fun``: its arguments placed, its outputs checked, traced once.
+
+:func:`checked` wraps ``fun`` as the loop differentiates it (its loss scaled by
+the microbatch's share of the batch, what it returns checked against
+``has_aux`` and ``state_argnums``); :func:`microbatch_args` places one
+microbatch's rows, keys, state and parameters among the call's arguments;
+:func:`trace` traces one microbatch abstractly, checks what it computes, and
+returns its :class:`Shapes` with the jitted function that computed them. The
+loop calls that function, whose trace JAX keeps: ``fun`` is traced once per
+trace of the step, as in a hand-written scan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+
+from accum_jax import _core, _options
+
+
+class Fun(NamedTuple):
+  """What every microbatch's call of ``fun`` needs besides its data."""
+
+  grad_fun: Callable[..., Any]  # :func:`checked`
+  options: _options.Options
+  batch_argnums: tuple[int, ...]
+  kwargs: dict[str, Any]
+
+
+class Shapes(NamedTuple):
+  """One microbatch's outputs, abstractly, and how each leaf is combined."""
+
+  value: jax.ShapeDtypeStruct
+  grads: Any
+  aux: Any
+  reductions: tuple[str, ...]  # one per leaf of aux
+  grad_kinds: tuple[str, ...] | None  # one per leaf of grads; None: all "mean"
+
+  @property
+  def kinds(self) -> tuple[str, ...] | None:
+    """Per leaf of the accumulator's ``(value, grads)``, as ``_core`` takes them."""
+    return None if self.grad_kinds is None else (self.value_kind, *self.grad_kinds)
+
+  @property
+  def value_kind(self) -> str:
+    """"sum" when every gradient leaf sums (a summed loss, ``grad_reduction="sum"``):
+    the value is then the batch's sum, as the gradient is; else "mean"."""
+    sums = [k for k in self.grad_kinds or () if not _core.is_statistic(k)]
+    return "sum" if sums and all(k == "sum" for k in sums) else "mean"
+
+
+def describe(x: Any) -> str:
+  if isinstance(x, (tuple, list)):
+    return f"a {type(x).__name__} of {len(x)}"
+  if hasattr(x, "shape") and hasattr(x, "dtype"):
+    return f"an array of shape {tuple(x.shape)} and dtype {x.dtype}"
+  return f"a {type(x).__name__}"
+
+
+def _check_state(new: Any, old: Any, argnum: int) -> None:
+  """``new`` must be a state of the same tree, shapes and dtypes as ``old``."""
+  fix = (
+      f" fun must return (value, (new_state, aux)) with new_state shaped like its"
+      f" argument {argnum} (state_argnums), e.g. Linen's"
+      " `(loss, (updates['batch_stats'], aux))`."
+  )
+  new_structure: Any = jax.tree.structure(new)
+  if new_structure != jax.tree.structure(old):
+    raise ValueError(
+        f"The new state has structure {jax.tree.structure(new)}, but the state passed in"
+        f" has structure {jax.tree.structure(old)}.{fix}"
+    )
+  for (path, a), b in zip(jax.tree.leaves_with_path(new), jax.tree.leaves(old)):
+    if jnp.shape(a) != jnp.shape(b) or jnp.result_type(a) != jnp.result_type(b):
+      raise ValueError(
+          f"The new state's leaf {jax.tree_util.keystr(path)} has shape {jnp.shape(a)} and"
+          f" dtype {jnp.result_type(a)}, but the state passed in has shape {jnp.shape(b)}"
+          f" and dtype {jnp.result_type(b)}.{fix}"
+      )
+
+
+def _arrays(aux: Any) -> Any:
+  """``aux`` with its Python numbers as JAX arrays of their weak dtype (a metric
+  such as ``steps=1`` or ``moe_lb_loss=0.0``, which ``jax.value_and_grad``
+  takes), so that every reduction sees an array."""
+  return jax.tree.map(
+      lambda x: jnp.asarray(x) if isinstance(x, (bool, int, float, complex)) else x, aux
+  )
+
+
+def checked(fun: Callable[..., Any], options: _options.Options) -> Callable[..., Any]:
+  """``fun`` returning ``(value, (new_state, aux))``, with what it returned checked."""
+
+  def checked(*args, **kwargs):
+    out = fun(*args, **kwargs)
+    if options.has_aux:
+      if not isinstance(out, (tuple, list)) or len(out) != 2:
+        raise ValueError(
+            f"has_aux=True, so fun must return a pair (value, aux), but it returned"
+            f" {describe(out)}. Return (loss, aux) (gather several outputs into one aux"
+            " pytree), or pass has_aux=False."
+        )
+      value, aux = out
+    elif isinstance(out, (tuple, list)):
+      raise ValueError(
+          f"fun returned {describe(out)}, not a scalar loss. If it returns (loss, aux),"
+          " pass has_aux=True."
+      )
+    else:
+      value, aux = out, ()
+    if not hasattr(value, "shape") or jnp.ndim(value) != 0:
+      raise ValueError(
+          f"fun must return a scalar loss, got {describe(value)}: reduce it (e.g. with"
+          " jnp.mean), and return other outputs as aux with has_aux=True."
+      )
+    new_state = None
+    if options.state_argnums:
+      if not isinstance(aux, (tuple, list)) or len(aux) != 2:
+        raise ValueError(
+            f"With state_argnums={options.state_argnums}, fun must return (value,"
+            f" (new_state, aux)), but its aux is {describe(aux)}. Return (loss,"
+            " (new_state, aux)), with aux=() if there is nothing else."
+        )
+      new_state, aux = aux
+      _check_state(new_state, args[options.state_argnums[0]], options.state_argnums[0])
+    return value, (new_state, _arrays(aux))
+
+  def scaled(share, *args, **kwargs):
+    # The microbatch's share of the batch's weight scales the loss before
+    # differentiation: its gradient (and every cotangent inside, which FP8
+    # scaling reads) is then at the whole batch's scale, and sums of shares,
+    # also across devices, are the batch's weighted mean.
+    value, aux = checked(*args, **kwargs)
+    # The unscaled value rides along, for its dtype and the finiteness check.
+    return value.astype(jnp.promote_types(value.dtype, jnp.float32)) * share, (value, aux)
+
+  diff = tuple(n + 1 for n in options.argnums)
+  grad_fun = jax.value_and_grad(scaled, argnums=diff[0] if options.single_argnum else diff,
+                                has_aux=True)
+  return grad_fun
+
+
+def fold_in(key: jax.Array, index: jax.Array, shard_index: jax.Array | None) -> jax.Array:
+  """The key of microbatch ``index`` (on device ``shard_index`` under a mesh)."""
+  raw = not jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+  if raw:  # uint32[2] (threefry) or uint32[4] (rbg), whatever the default implementation
+    key = jax.random.wrap_key_data(key, impl="threefry2x32" if key.shape == (2,) else "rbg")
+  key = jax.random.fold_in(key, index)
+  if shard_index is not None:
+    key = jax.random.fold_in(key, shard_index)
+  return jax.random.key_data(key) if raw else key
+
+
+class Out(NamedTuple):
+  """What one microbatch gives."""
+
+  value: jax.Array  # the loss times the microbatch's share of the batch, float32 at least
+  raw_value: jax.Array  # the loss as fun returned it
+  grads: Any  # of the scaled loss, w.r.t. the parameters as fun saw them
+  state: Any  # the new state, None without state_argnums
+  aux: Any
+
+
+def microbatch_args(
+    options: _options.Options, batch_argnums: Sequence[int], args: Sequence[Any], index: jax.Array,
+    mb: dict[int, Any], state: Any, params: Any, shard_index: jax.Array | None,
+) -> list[Any]:
+  """``args`` as ``fun`` takes them for microbatch ``index``: its rows ``mb`` (by
+  batch argnum), its keys folded in, the threaded ``state`` and ``params`` (as
+  ``fun`` sees them) in their places."""
+  call_args = list(args)
+  for n in batch_argnums:
+    call_args[n] = mb[n]
+  for n in options.rng_argnums:
+    call_args[n] = jax.tree.map(lambda key: fold_in(key, index, shard_index), args[n])
+  if options.state_argnums:
+    call_args[options.state_argnums[0]] = state
+  flat = [params] if options.single_argnum else params
+  for n, p in zip(options.argnums, flat):
+    call_args[n] = p
+  return call_args
+
+
+def abstract(x: Any, dtype: Any = None) -> jax.ShapeDtypeStruct:
+  return jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x) if dtype is None else dtype)
+
+
+def run(fun: Fun, args: Sequence[Any], shard_index, index, mb, state, share, params) -> Out:
+  """Value, gradient, new state and aux of microbatch ``index`` (its rows ``mb``),
+  its loss scaled by ``share``; ``args`` as this device holds them."""
+  call_args = microbatch_args(fun.options, fun.batch_argnums, args, index, mb, state, params,
+                              shard_index)
+  (value, (raw_value, (new_state, aux))), grads = fun.grad_fun(share, *call_args, **fun.kwargs)
+  return Out(value, raw_value, grads, new_state, aux)
+
+
+def trace(
+    fun: Fun, args: Sequence[Any], rows: int, seen: Any, grads: Any,
+    grad_kinds: tuple[str, ...],
+) -> tuple[Shapes, Callable[..., Out]]:
+  """One microbatch of ``rows`` rows, traced abstractly (no compile) and checked.
+
+  ``seen`` are the parameters as ``fun`` sees them (full-size, in the dtype they
+  are gathered in), ``grads`` as the gradient comes back (the parameters' own
+  shapes and dtypes). Returns the :class:`Shapes` and the jitted microbatch
+  function ``(index, mb, state, share, params) -> Out``: called again with
+  arguments of the same types (one device's loop), it reuses this trace.
+  """
+  options = fun.options
+  # JAX's own dtypes: a float64 numpy batch is float32 once traced (unless x64
+  # is on), and asking for float64 here would warn on every trace.
+  canonical = jax.dtypes.canonicalize_dtype
+  mb = {
+      n: jax.tree.map(
+          lambda x: jax.ShapeDtypeStruct((rows, *x.shape[1:]), canonical(x.dtype)), args[n]
+      )
+      for n in fun.batch_argnums
+  }
+  state = args[options.state_argnums[0]] if options.state_argnums else None
+  one = jax.jit(lambda i, mb, state, share, p: run(fun, args, None, i, mb, state, share, p))
+  scalar = jax.ShapeDtypeStruct
+  traced = one.trace(scalar((), jnp.int32), mb, state, scalar((), jnp.float32), seen)
+  out = traced.out_info
+  _check_float16(options, traced.jaxpr)
+  reductions = _aux_reductions(out.aux, options.aux_reduction, rows)
+  # All "mean": the default path, as if per-leaf kinds did not exist.
+  kinds = None if all(kind == "mean" for kind in grad_kinds) else grad_kinds
+  shapes = Shapes(out.raw_value, jax.tree.map(abstract, grads), out.aux, reductions, kinds)
+  return shapes, one
+
+
+LOSS_SCALE_RECIPES = (
+    " To let the scale see it, pass skip_nonfinite=False, so that an overflow makes the"
+    " gradient non-finite as on the whole batch (jmp.all_finite(grads) then lowers the"
+    " scale and the step is skipped); or pass skip_nonfinite='step' with return_info=True"
+    " and count info.step_skipped as an overflow, or skip_nonfinite='microbatch' (only"
+    " the microbatches that overflow are left out) with return_info=True and count"
+    " info.num_skipped > 0 as one."
+)
+
+
+def _aux_reductions(aux: Any, spec: Any, rows: int) -> tuple[str, ...]:
+  """How each aux leaf is reduced (``spec``: ``aux_reduction``, maybe per leaf). By
+  default a leaf with a leading axis of the microbatch's rows is per-example
+  (concatenated); any other is averaged."""
+  reductions = []
+  given = _options.per_leaf_spec(_completed(spec, aux), aux, "aux_reduction", "the aux")
+  for (path, leaf), (requested, _) in zip(jax.tree.leaves_with_path(aux), given):
+    per_example = len(leaf.shape) >= 1 and leaf.shape[0] == rows
+    if requested == "concat" and not per_example:
+      raise ValueError(
+          f"aux_reduction='concat' returns per-example outputs in batch order, but aux"
+          f" leaf {jax.tree_util.keystr(path) or '(the aux)'} has shape {leaf.shape}, with"
+          f" no leading axis of the microbatch's {rows} rows. Return one row per example,"
+          " or reduce it with aux_reduction='mean' or 'sum'."
+      )
+    reductions.append(requested or ("concat" if per_example else "mean"))
+  return tuple(reductions)
+
+
+def _completed(spec: Any, tree: Any, where: str = "") -> Any:
+  """``spec`` with None (the default) for each key of a dict in ``tree`` that the
+  dict at the same place in ``spec`` leaves out: a mapping may name some keys of
+  a large aux (MaxText's has ten) and leave the rest at the default. A key that
+  ``tree`` does not have is refused, so that a misspelt one is not ignored."""
+  if isinstance(spec, dict) and isinstance(tree, dict):
+    if unknown := sorted(set(spec) - set(tree), key=str):
+      raise ValueError(
+          f"aux_reduction names {unknown[0]!r}{f' at {where}' if where else ''}, which the"
+          f" aux does not have (its keys there: {sorted(tree, key=str)}). Name keys of the"
+          " aux; those left out take the default."
+      )
+    return {k: _completed(spec.get(k), v, f"{where}[{k!r}]") for k, v in tree.items()}
+  if isinstance(spec, (tuple, list)) and type(spec) is type(tree) and len(spec) == len(tree):
+    return type(spec)(_completed(s, t, f"{where}[{i}]")
+                      for i, (s, t) in enumerate(zip(spec, tree)))
+  return spec
+
+
+def _check_float16(options: _options.Options, jaxpr: Any) -> None:
+  """ValueError if one microbatch (``jaxpr``) computes in float16 and
+  ``skip_nonfinite`` is left at its default.
+
+  float16 overflows at 65504, so float16 training scales its loss, and a dynamic
+  scale must see each overflow. A scale passed as an argument is recognised by
+  :func:`bind`; one closed over by ``fun`` is not, but its float16 arithmetic
+  is, in the jaxpr of the microbatch. bfloat16 has float32's range and needs no
+  loss scale: it is not refused.
+  """
+  if options.skip_nonfinite_given:
+    return
+  found = _first_float16(jaxpr)
+  if found is not None:
+    primitive, aval = found
+    raise ValueError(
+        f"fun computes in float16 ({primitive} gives a float16 array of shape"
+        f" {tuple(aval.shape)}) and skip_nonfinite is left at its default ('step'): a"
+        " step in which a microbatch overflows would come back with a zero gradient, which"
+        " is finite, so a dynamic loss scale, closed over by fun or passed to it, would"
+        f" never see the overflow.{LOSS_SCALE_RECIPES} Without a loss scale, pass"
+        " skip_nonfinite='step' to skip the steps that overflow, or 'microbatch' to leave"
+        " out only the microbatches that do (return_info=True counts them). bfloat16"
+        " needs no loss scale and is not refused."
+    )
+
+
+def _first_float16(jaxpr: Any) -> tuple[str, Any] | None:
+  """The first equation of ``jaxpr`` (or of a jaxpr inside it) giving a float16 value."""
+  for eqn in jaxpr.eqns:
+    for var in eqn.outvars:
+      if getattr(var.aval, "dtype", None) == jnp.float16:
+        return eqn.primitive.name, var.aval
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, tuple | list) else (param,):
+        if isinstance(sub, jax.extend.core.ClosedJaxpr):
+          sub = sub.jaxpr
+        if isinstance(sub, jax.extend.core.Jaxpr) and (found := _first_float16(sub)):
+          return found
+  return None
