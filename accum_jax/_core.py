@@ -225,12 +225,12 @@ def all_finite(tree: Any) -> jax.Array:
 PACK_LIMIT = 1 << 16
 
 
-def all_finite_packed(tree: Any) -> jax.Array:
+def all_finite_packed(tree: Any, limit: int = PACK_LIMIT) -> jax.Array:
   """:func:`all_finite` with the small leaves checked together: one reduction per dtype.
 
-  The leaves of each dtype of at most :data:`PACK_LIMIT` elements, and not
-  sharded, are raveled into one vector, then checked as :func:`all_finite`
-  checks a leaf. For a call that only accumulates, a reduction per leaf is most
+  The leaves of each dtype of at most ``limit`` elements (:data:`PACK_LIMIT` by
+  default), and not sharded, are raveled into one vector, then checked as
+  :func:`all_finite` checks a leaf. For a call that only accumulates, a reduction per leaf is most
   of the cost with many small leaves (a kernel each on a GPU, several fusions
   each where XLA:CPU splits a reduction); the concatenation is one more pass
   over them. A large leaf's reduction costs its bytes, not its launch, and a
@@ -242,16 +242,12 @@ def all_finite_packed(tree: Any) -> jax.Array:
     x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.inexact):
       continue
-    if _packable(x):
+    if x.size <= limit and not is_sharded(x):
       groups.setdefault(x.dtype, []).append(jnp.ravel(x))
     else:
       alone.append(x)
   vectors = [parts[0] if len(parts) == 1 else jnp.concatenate(parts) for parts in groups.values()]
   return all_finite(vectors + alone)
-
-
-def _packable(x: jax.Array) -> bool:
-  return x.size <= PACK_LIMIT and not is_sharded(x)
 
 
 def explicitly_sharded(x: Any) -> bool:

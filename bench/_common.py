@@ -110,10 +110,12 @@ def environment() -> dict[str, Any]:
 
 
 def git_commit() -> str | None:
-  """The short commit of the working tree the benchmark runs from, or None outside git."""
+  """The short commit of the working tree the benchmark runs from, with "-dirty"
+  where tracked files differ from it; None outside git."""
   try:
-    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                         text=True, timeout=10, cwd=Path(__file__).resolve().parent)
+    out = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"],
+                         capture_output=True, text=True, timeout=10,
+                         cwd=Path(__file__).resolve().parent)
   except (OSError, subprocess.TimeoutExpired):
     return None
   if out.returncode != 0:

@@ -50,16 +50,17 @@ the hand-written scan of the same batch (a full-batch reference does not fit,
 by construction).
 
 ``--quick``, the GPU check in one call (under 4 minutes on one GPU): one table for
-both doors, no memory workers and no compilation cache. Inside a step, at N x
-micro of 8x1, 8x4 and 16x1: the default ``value_and_grad``,
-``skip_nonfinite="microbatch"``, ``skip_nonfinite=False``, the hand-written scan
-and the full batch, with step time, compile time (after a warm-up compile of one
-microbatch's gradient, once per microbatch size) and static memory (temp + output). Across calls, every_k=8:
-the floors (one float32 vector add, the per-leaf add, a hand-written
-``lax.cond(emit, adamw, skip)`` accumulator, a plain AdamW step), ``accumulate``
-with sgd, adamw and muon in both layouts, and ``optax.MultiSteps``, each alone and
-with the gradient of one sequence in the same jit. ``--compare PATH`` puts the
-figures of an earlier run's JSON beside the rows it has, naming its card and commit.
+both doors, no memory workers and no compilation cache. Inside a step, at N x micro
+of 8x1, 8x4 and 16x1: the default ``value_and_grad``,
+``skip_nonfinite="microbatch"``, ``skip_nonfinite=False``, the hand-written scan and
+the full batch, with step time, compile time (after a warm-up compile of one
+microbatch's gradient, once per microbatch size) and static memory (temp + output).
+Across calls, every_k=8: the floors (one float32 vector add, the per-leaf add, a
+hand-written ``lax.cond(emit, adamw, skip)`` accumulator, a plain AdamW step),
+``accumulate`` with sgd, adamw and muon in both layouts, and ``optax.MultiSteps``,
+each alone and with the gradient of one sequence in the same jit. ``--compare PATH``
+puts the figures of an earlier run's JSON beside the rows it has, naming its card and
+commit.
 
 Run from the repository root::
 
@@ -85,7 +86,7 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -775,12 +776,13 @@ def _window_times(step: Callable, carry: list[Any], grads: Any, every_k: int) ->
 
 def measure_quick_across(
     params: Any, loss: Callable, tokens: jax.Array, *, every_k: int, rounds: int,
-    budget: Budget, combined: bool,
+    budget: Budget, combined: bool, names: Collection[str] | None = None,
 ) -> dict[str, dict[str, Any]]:
   """Each row a window at a time, taking turns: micro-step, last call, window, compile.
 
   ``combined``: the jitted call takes the gradient of ``tokens`` (one sequence)
   and updates, as users jit a step; else it is handed a fixed gradient.
+  ``names``: the rows to measure (None: all of :func:`across_candidates`).
   """
   keys = jax.random.split(jax.random.key(1), 2)
   grads = jax.tree.map(lambda p, k=keys[0]: 1e-3 * jax.random.normal(k, p.shape, p.dtype), params)
@@ -788,6 +790,8 @@ def measure_quick_across(
   results: dict[str, dict[str, Any]] = {}
   steps, carries, inputs = {}, {}, {}
   for name, candidate in across_candidates(every_k).items():
+    if names is not None and name not in names:
+      continue
     if not budget.left("across_calls"):
       results[name] = {"status": "skipped (budget)"}
       continue

@@ -134,3 +134,18 @@ def test_under_a_mesh_only_the_per_device_loop_is_called_from_below():
   found = _calls_across(step, params, batch, jax.random.key(0))
   # shard_map runs the loop on each device: the one call from below is that body.
   assert found == {"into options": [], "back up": ["_local_sums"]}
+
+
+def test_the_step_check_keeps_the_static_memory_of_no_check():
+  # Weights above the check's packing limit are checked where they lie: a packed
+  # copy of them would be a second gradient after the loop.
+  size = 72  # 72 x 72 = 5184 elements, above the limit of 4096
+  params = [{"w": jnp.eye(size) / 2, "b": jnp.zeros(size)} for _ in range(3)]
+  x = jnp.ones((16, size))
+
+  def memory(**kwargs):
+    compiled = jax.jit(accum_jax.value_and_grad(_loss, N, **kwargs)).lower(params, x).compile()
+    analysis = compiled.memory_analysis()
+    return analysis.temp_size_in_bytes + analysis.output_size_in_bytes
+
+  assert memory() <= memory(skip_nonfinite=False) + 4096
