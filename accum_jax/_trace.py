@@ -92,41 +92,53 @@ def _arrays(aux: Any) -> Any:
   )
 
 
+def _value_and_aux(out: Any, has_aux: bool) -> tuple[Any, Any]:
+  """What ``fun`` returned, as ``(value, aux)``, checked against ``has_aux``."""
+  if has_aux:
+    if not isinstance(out, (tuple, list)) or len(out) != 2:
+      raise ValueError(
+          f"has_aux=True, so fun must return a pair (value, aux), but it returned"
+          f" {describe(out)}. Return (loss, aux) (gather several outputs into one aux"
+          " pytree), or pass has_aux=False."
+      )
+    value, aux = out
+  elif isinstance(out, (tuple, list)):
+    raise ValueError(
+        f"fun returned {describe(out)}, not a scalar loss. If it returns (loss, aux),"
+        " pass has_aux=True."
+    )
+  else:
+    value, aux = out, ()
+  if not hasattr(value, "shape") or jnp.ndim(value) != 0:
+    raise ValueError(
+        f"fun must return a scalar loss, got {describe(value)}: reduce it (e.g. with"
+        " jnp.mean), and return other outputs as aux with has_aux=True."
+    )
+  return value, aux
+
+
+def _state_and_aux(aux: Any, argnum: int, args: Sequence[Any]) -> tuple[Any, Any]:
+  """With ``state_argnums=argnum``: ``aux`` as ``(new_state, aux)``, the new state
+  checked against the one passed in."""
+  if not isinstance(aux, (tuple, list)) or len(aux) != 2:
+    raise ValueError(
+        f"With state_argnums={(argnum,)}, fun must return (value, (new_state, aux)), but"
+        f" its aux is {describe(aux)}. Return (loss, (new_state, aux)), with aux=() if"
+        " there is nothing else."
+    )
+  new_state, aux = aux
+  _check_state(new_state, args[argnum], argnum)
+  return new_state, aux
+
+
 def checked(fun: Callable[..., Any], options: _options.Options) -> Callable[..., Any]:
   """``fun`` returning ``(value, (new_state, aux))``, with what it returned checked."""
 
   def checked(*args, **kwargs):
-    out = fun(*args, **kwargs)
-    if options.has_aux:
-      if not isinstance(out, (tuple, list)) or len(out) != 2:
-        raise ValueError(
-            f"has_aux=True, so fun must return a pair (value, aux), but it returned"
-            f" {describe(out)}. Return (loss, aux) (gather several outputs into one aux"
-            " pytree), or pass has_aux=False."
-        )
-      value, aux = out
-    elif isinstance(out, (tuple, list)):
-      raise ValueError(
-          f"fun returned {describe(out)}, not a scalar loss. If it returns (loss, aux),"
-          " pass has_aux=True."
-      )
-    else:
-      value, aux = out, ()
-    if not hasattr(value, "shape") or jnp.ndim(value) != 0:
-      raise ValueError(
-          f"fun must return a scalar loss, got {describe(value)}: reduce it (e.g. with"
-          " jnp.mean), and return other outputs as aux with has_aux=True."
-      )
+    value, aux = _value_and_aux(fun(*args, **kwargs), options.has_aux)
     new_state = None
     if options.state_argnums:
-      if not isinstance(aux, (tuple, list)) or len(aux) != 2:
-        raise ValueError(
-            f"With state_argnums={options.state_argnums}, fun must return (value,"
-            f" (new_state, aux)), but its aux is {describe(aux)}. Return (loss,"
-            " (new_state, aux)), with aux=() if there is nothing else."
-        )
-      new_state, aux = aux
-      _check_state(new_state, args[options.state_argnums[0]], options.state_argnums[0])
+      new_state, aux = _state_and_aux(aux, options.state_argnums[0], args)
     return value, (new_state, _arrays(aux))
 
   def scaled(share, *args, **kwargs):
