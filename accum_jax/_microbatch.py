@@ -71,20 +71,6 @@ class MicrobatchInfo(NamedTuple):
   loss_finite: jax.Array | None = None
 
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 class _Device(NamedTuple):
   """What every microbatch of one device's loop needs."""
 
@@ -105,14 +91,6 @@ class _Device(NamedTuple):
   @property
   def plan(self) -> _sharding.Plan | None:
     return self.call.plan
-
-
-
-
-
-
-
-
 
 
 def _aux_sum_dtype(dtype: Any, reduction: str) -> Any:

@@ -71,10 +71,6 @@ class Options(NamedTuple):
             "rng_argnums": self.rng_argnums, "state_argnums": self.state_argnums}
 
 
-
-
-
-
 def argnums_tuple(argnums: Any, name: str) -> tuple[int, ...]:
   """``argnums`` (None, an int or a sequence of ints) as a tuple; ValueError if not."""
   if argnums is None:
@@ -249,8 +245,6 @@ def _check_sharding_options(options: Options) -> None:
     )
 
 
-
-
 def _is_spec_leaf(x: Any) -> bool:
   return x is None or isinstance(x, str)
 
@@ -421,16 +415,12 @@ def is_array(x: Any) -> bool:
   return isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct))
 
 
-
-
 def looks_like_batch(arg: Any) -> bool:
   """Every leaf an array with a leading (batch) axis, none a key: the batch_argnums=None test."""
   leaves = jax.tree.leaves(arg)
   return bool(leaves) and all(
       is_array(x) and jnp.ndim(x) >= 1 and not is_key(x) for x in leaves
   )
-
-
 
 
 def check_unambiguous(found: tuple[int, ...], args: Sequence[Any], fix: str = "") -> None:
@@ -455,29 +445,5 @@ def check_unambiguous(found: tuple[int, ...], args: Sequence[Any], fix: str = ""
       f" it alone (e.g. when argument {others[0]} holds per-class weights), or"
       f" batch_argnums={tuple(found)} to split them all.{fix}"
   )
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 
 
