@@ -36,10 +36,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from accum_jax import _batching, _call, _core, _options, _sharding
+from accum_jax import _batching, _call, _core, _options, _sharding, _trace
 from accum_jax._microbatch import MicrobatchInfo
-from accum_jax._trace import describe as _describe
-from accum_jax._trace import fold_in as _fold_in
 
 # Options of value_and_grad that have no meaning here, and what to do instead.
 _REFUSED = {
@@ -169,7 +167,7 @@ def _chunk_args(options, call, args, index, chunk, devices) -> list[Any]:
   for n in call.batch_argnums:
     chunk_args[n] = chunk[n]
   for n in options.rng_argnums:
-    chunk_args[n] = jax.tree.map(lambda key: _fold_in(key, index, devices.shard), args[n])
+    chunk_args[n] = jax.tree.map(lambda key: _trace.fold_in(key, index, devices.shard), args[n])
   return chunk_args
 
 
@@ -214,31 +212,6 @@ def _embed(embed_fn, options, call, args, kwargs, devices) -> Any:
   return jax.tree.map(lambda x: _batching.unsplit(x, options.split), stacked)
 
 
-def _loss_value(out: Any, has_aux: bool) -> tuple[Any, Any]:
-  """``loss_fn``'s output as ``(loss, aux)``, checked."""
-  if has_aux:
-    if not isinstance(out, (tuple, list)) or len(out) != 2:
-      raise ValueError(
-          f"has_aux=True, so loss_fn must return a pair (loss, aux), but it returned"
-          f" {_describe(out)}. Return (loss, aux), or pass has_aux=False."
-      )
-    value, aux = out
-  else:
-    if isinstance(out, (tuple, list)):
-      raise ValueError(
-          f"loss_fn returned {_describe(out)}, not a scalar loss. If it returns (loss,"
-          " aux), pass has_aux=True."
-      )
-    value, aux = out, ()
-  if not hasattr(value, "shape") or jnp.ndim(value) != 0:
-    raise ValueError(
-        f"loss_fn must return the scalar loss of the whole batch, got {_describe(value)}:"
-        " reduce it (e.g. with jnp.mean), and return other outputs as aux with"
-        " has_aux=True."
-    )
-  return value, aux
-
-
 class _Loss(NamedTuple):
   value: jax.Array
   aux: Any
@@ -258,7 +231,8 @@ def _loss(loss_fn, options, call, args, kwargs, embeddings, devices) -> _Loss:
     full = list(loss_args)
     for n, value in zip(diff_at, diff_values):
       full[n] = value
-    return _loss_value(loss_fn(*full, **kwargs), options.has_aux)
+    return _trace.value_and_aux(loss_fn(*full, **kwargs), options.has_aux, "loss_fn",
+                               "the scalar loss of the whole batch")
 
   (value, aux), grads = jax.value_and_grad(
       loss_of, argnums=tuple(range(len(diff_at))), has_aux=True

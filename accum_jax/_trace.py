@@ -92,26 +92,29 @@ def _arrays(aux: Any) -> Any:
   )
 
 
-def _value_and_aux(out: Any, has_aux: bool) -> tuple[Any, Any]:
-  """What ``fun`` returned, as ``(value, aux)``, checked against ``has_aux``."""
+def value_and_aux(
+    out: Any, has_aux: bool, name: str = "fun", scalar: str = "a scalar loss"
+) -> tuple[Any, Any]:
+  """What ``name`` returned, as ``(value, aux)``, checked against ``has_aux``;
+  ``scalar`` says what its value must be."""
   if has_aux:
     if not isinstance(out, (tuple, list)) or len(out) != 2:
       raise ValueError(
-          f"has_aux=True, so fun must return a pair (value, aux), but it returned"
+          f"has_aux=True, so {name} must return a pair (value, aux), but it returned"
           f" {describe(out)}. Return (loss, aux) (gather several outputs into one aux"
           " pytree), or pass has_aux=False."
       )
     value, aux = out
   elif isinstance(out, (tuple, list)):
     raise ValueError(
-        f"fun returned {describe(out)}, not a scalar loss. If it returns (loss, aux),"
+        f"{name} returned {describe(out)}, not a scalar loss. If it returns (loss, aux),"
         " pass has_aux=True."
     )
   else:
     value, aux = out, ()
   if not hasattr(value, "shape") or jnp.ndim(value) != 0:
     raise ValueError(
-        f"fun must return a scalar loss, got {describe(value)}: reduce it (e.g. with"
+        f"{name} must return {scalar}, got {describe(value)}: reduce it (e.g. with"
         " jnp.mean), and return other outputs as aux with has_aux=True."
     )
   return value, aux
@@ -135,7 +138,7 @@ def checked(fun: Callable[..., Any], options: _options.Options) -> Callable[...,
   """``fun`` returning ``(value, (new_state, aux))``, with what it returned checked."""
 
   def checked(*args, **kwargs):
-    value, aux = _value_and_aux(fun(*args, **kwargs), options.has_aux)
+    value, aux = value_and_aux(fun(*args, **kwargs), options.has_aux)
     new_state = None
     if options.state_argnums:
       new_state, aux = _state_and_aux(aux, options.state_argnums[0], args)
