@@ -230,11 +230,12 @@ def all_finite_packed(tree: Any, limit: int = PACK_LIMIT) -> jax.Array:
 
   The leaves of each dtype of at most ``limit`` elements (:data:`PACK_LIMIT` by
   default), and not sharded, are raveled into one vector, then checked as
-  :func:`all_finite` checks a leaf. For a call that only accumulates, a reduction per leaf is most
-  of the cost with many small leaves (a kernel each on a GPU, several fusions
-  each where XLA:CPU splits a reduction); the concatenation is one more pass
-  over them. A large leaf's reduction costs its bytes, not its launch, and a
-  sharded one is checked where it lies: packing it would gather it.
+  :func:`all_finite` checks a leaf. For a call that only accumulates, a
+  reduction per leaf is most of the cost with many small leaves (a kernel each
+  on a GPU, several fusions each where XLA:CPU splits a reduction); the
+  concatenation is one more pass over them. A large leaf's reduction costs its
+  bytes, not its launch, and a sharded one is checked where it lies: packing it
+  would gather it.
   """
   groups: dict[Any, list[jax.Array]] = {}
   alone: list[jax.Array] = []
