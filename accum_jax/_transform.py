@@ -5,9 +5,14 @@
   options = _make_options(...)                  # once, when it is built
   call = _bind(options, grads, state, ...)      # per call: checks, window arguments
   window = _add(options, call, state)           # the call into the window; does it end?
-  updates, inner_state, last_noise = _step_inner(options, call, state, window)
+  inner = _step_inner(options, call, state, window)
                                                 # the inner update, on emitting calls only
-  return updates, _next_state(...)              # counters advanced, the window closed
+  return inner.updates, _next_state(...)        # counters advanced, the window closed
+
+Who decides that a window ends: the host, with ``apply=`` a Python bool (two
+compiled programs: ``False`` only adds, with nothing of the inner optimizer in it;
+``True`` adds and applies, with no conditional), or the device, with ``apply``
+left out (``every_k`` and ``flush``, the inner update under a conditional).
 
 The state and its readers are in ``_state``, the window lengths in ``_schedules``,
 the checks of one call's arguments in ``_update_args``, the flat layout in ``_flat``.
@@ -75,7 +80,7 @@ class _Options(NamedTuple):
   reduction: Any  # per leaf: a string, a pytree prefix or a callable (_options.grad_reductions)
   value_reduction: str  # of `value`: "sum" where reduction is "sum", else "mean"
   accumulator_dtype: Any
-  skip_nonfinite: bool
+  skip_nonfinite: str | bool  # "window", "call" or False (SKIP_MODES)
   skip_fn: ShouldSkipUpdateFunction
   layout: str  # "tree": the accumulator is the gradient's tree; "flat": see _flat
 
@@ -95,6 +100,7 @@ class _Call(NamedTuple):
   value: jax.Array | None  # this call's loss, for the inner optimizer's `value`
   window_grad: bool  # the inner optimizer takes the window's gradient as `grad`
   extra_args: dict[str, Any]  # for the inner optimizer, as the emitting call gives them
+  apply: bool | None  # the host's decision (a Python bool); None: the device schedule
 
 
 class _Window(NamedTuple):
@@ -107,6 +113,17 @@ class _Window(NamedTuple):
   noise: Any  # the window's noise sums, () without gradient noise
   done: jax.Array  # shape=(), dtype=bool: the window ends with this call
   apply: jax.Array  # shape=(), dtype=bool: ... and the inner optimizer runs on it
+
+
+class _Inner(NamedTuple):
+  """What the inner optimizer made of this call."""
+
+  updates: Any  # zeros unless applied
+  state: Any  # the inner optimizer's state after this call
+  last_noise: Any  # the last applied window's GradientNoise, () without gradient noise
+  # shape=(), dtype=bool: the window was applied: it ended, held weight, and (with
+  # skip_nonfinite="window") its sums were finite. A Python bool where the host decided.
+  applied: Any
 
 
 def _make_options(
@@ -124,7 +141,7 @@ def _make_options(
       reduction=reduction,
       value_reduction="sum" if reduction == "sum" else "mean",
       accumulator_dtype=_core.canonicalize_accumulator_dtype(accumulator_dtype),
-      skip_nonfinite=skip_nonfinite,
+      skip_nonfinite=_update_args.check_skip_nonfinite(skip_nonfinite),
       skip_fn=should_skip_update_fn or _no_skip,
       layout=_flat.check_layout(layout),
   )
@@ -218,11 +235,12 @@ def _grads_like(total: Any) -> Any:
       layout.treedef, [jax.ShapeDtypeStruct(shape, jnp.float32) for shape in layout.shapes])
 
 
-def _bind(options, grads, state, params, weight, flush, extra_args) -> _Call:
+def _bind(options, grads, state, params, weight, flush, apply, extra_args) -> _Call:
   """Checks one call's arguments (at trace time) and sorts its extra arguments."""
   total = state.accumulator.total
   _update_args.check_tree_matches(grads, _grads_like(total))
   _update_args.check_weight(weight)
+  apply = _update_args.check_apply(apply, flush)
   flush = _update_args.check_flush(flush)
   extra_args = dict(extra_args)
   value = extra_args.pop("value", None)
@@ -246,6 +264,7 @@ def _bind(options, grads, state, params, weight, flush, extra_args) -> _Call:
       # A line search's gradient at `params` is the window's gradient.
       window_grad=extra_args.pop("grad", None) is not None,
       extra_args=extra_args,
+      apply=apply,
   )
 
 
@@ -253,13 +272,14 @@ def _add(options: _Options, call: _Call, state: AccumulationState) -> _Window:
   """This call into the window (unless skipped), and whether the window ends."""
   should_skip, skip_state = options.skip_fn(call.grads, state.optimizer_step, call.params)
   accept = ~jnp.asarray(should_skip, bool)
-  if call.value is not None and options.skip_nonfinite:
+  per_call = options.skip_nonfinite == "call"
+  if call.value is not None and per_call:
     # A NaN loss is bad data as much as a NaN gradient (and would poison the
     # window's mean loss): the call is skipped.
     accept = accept & jnp.isfinite(call.value)
   previous = state.accumulator._replace(total=window_sum(state.accumulator))
   accumulator, kept = _core.add(
-      previous, call.addend, call.weight, skip_nonfinite=options.skip_nonfinite, accept=accept,
+      previous, call.addend, call.weight, skip_nonfinite=per_call, accept=accept,
       kinds=call.addend_kinds,
   )
   value_accumulator = state.value_accumulator
@@ -275,7 +295,10 @@ def _add(options: _Options, call: _Call, state: AccumulationState) -> _Window:
       )
       if options.track_noise else ()
   )
-  done = (accumulator.count >= _window_length(options, state)) | call.flush
+  if call.apply is None:
+    done = (accumulator.count >= _window_length(options, state)) | call.flush
+  else:
+    done = jnp.array(call.apply)  # a constant: XLA folds what depends on it
   window = _Window(
       accumulator, kept, skip_state, value_accumulator, noise, done,
       apply=done & (accumulator.weight > 0),
@@ -325,22 +348,32 @@ def _inner_update(options, call, inner_state, window, value_window):
   return options.inner.update(grads, inner_state, call.params, **call.extra_args, **window_args)
 
 
-def _held(update_shapes: Any, grads: Any) -> Any:
-  """What the skip branch passes through as the updates: values of their shapes
-  made outside the conditional, each gradient leaf where it fits (cast if need be),
-  else zeros. Which values does not matter: a ``where`` after the conditional
-  makes them zeros."""
+def _held(update_shapes: Any, grads: Any, make: Any = None) -> Any:
+  """Values of the updates' shapes made outside the inner update: each gradient
+  leaf where it fits (cast if need be), else ``make(shape)`` (zeros by default).
+  Which values does not matter where a ``where`` makes them zeros after."""
   shapes, treedef = jax.tree.flatten(update_shapes)
   given = jax.tree.leaves(grads)
   if len(given) != len(shapes):
     given = [None] * len(shapes)
 
   def held(x: jax.ShapeDtypeStruct, g: Any) -> jax.Array:
+    if make is not None:
+      return make(x, g)
     if g is not None and jnp.shape(g) == x.shape:
       return jnp.asarray(g).astype(x.dtype)
     return _core.zeros_like(x)
 
   return jax.tree.unflatten(treedef, [held(x, g) for x, g in zip(shapes, given)])
+
+
+def _constant_zeros(x: jax.ShapeDtypeStruct, g: Any) -> jax.Array:
+  """Zeros that XLA folds: ``params + 0`` in the caller's ``optax.apply_updates``
+  becomes ``params``, and donated parameters pass through untouched. A type that
+  carries an explicit sharding keeps it (``zeros_like`` of a constant folds too)."""
+  if g is not None and jnp.shape(g) == x.shape and _core.explicitly_sharded(g):
+    return jnp.zeros_like(g, x.dtype)
+  return jnp.zeros(x.shape, x.dtype)
 
 
 def _zero_unless(apply: jax.Array, updates: Any) -> Any:
@@ -349,51 +382,106 @@ def _zero_unless(apply: jax.Array, updates: Any) -> Any:
   return jax.tree.map(lambda u: jnp.where(apply, u, jnp.zeros((), u.dtype)), updates)
 
 
-def _step_inner(options, call, state, window) -> tuple[Any, Any, Any]:
-  """The updates, the inner state and the last window's noise, after this call.
+def _window_finite(options, call, acc, value_window) -> jax.Array | None:
+  """With ``skip_nonfinite="window"``, whether the window's sums (and its
+  ``value``s) are finite: one check when the window is applied, none per call.
+  None where nothing is judged here."""
+  if options.skip_nonfinite != "window":
+    return None
+  finite = _core.all_finite_packed(acc.total)
+  if call.value is not None:
+    finite = finite & jnp.isfinite(value_window.total)
+  return finite
 
-  A conditional that every backend keeps, so that the inner update runs on the
-  emitting call alone. XLA:GPU replaces a two-branch conditional whose branches
-  hold only cheap operations (elementwise, broadcasts, reductions: Adam's whole
-  update) by selects, and then runs both branches on every call; it keeps one
-  whose other branch only passes its operands through
-  (:func:`accum_jax.testing.gpu_conditionals` predicts which). So the skip
-  branch here returns its operands as they are: the inner state, the last
-  window's noise, and values shaped like the updates (:func:`_held`); the zero
-  updates are a ``where`` after the conditional (:func:`_zero_unless`), and the
-  window's restart is one in :func:`_next_state`. The window's sum does not go
-  through the conditional as an output: the addition writes it in place before,
-  and the emitting branch only reads it.
-  """
-  inner_update = functools.partial(_inner_update, options, call)
-  # The shapes and dtypes of the inner update (an abstract trace; nothing is computed).
-  update_shapes, _ = jax.eval_shape(
-      inner_update, state.inner_opt_state, window.accumulator, window.value_accumulator
-  )
 
-  def emit(inner_state, acc, value_window, last_noise, held):
+def _emit(options, call, window, inner_state, acc, value_window, last_noise, held):
+  """The emitting call: the inner update on the window, kept only where the
+  window is applied (``window.apply``, and finite where it is judged here)."""
+
+  def update(inner_state, last_noise):
     del last_noise
-    new_updates, new_inner_state = inner_update(inner_state, acc, value_window)
+    new_updates, new_inner_state = _inner_update(options, call, inner_state, acc, value_window)
     window_noise = _window_noise(window.noise, acc, call) if options.track_noise else ()
     return _cast_like(new_updates, held), _cast_like(new_inner_state, inner_state), window_noise
 
-  def hold(inner_state, acc, value_window, last_noise, held):
-    del acc, value_window
+  def refuse(inner_state, last_noise):
     return held, inner_state, last_noise
 
-  updates, inner_state, last_noise = jax.lax.cond(
-      window.apply, emit, hold, state.inner_opt_state, window.accumulator,
-      window.value_accumulator, state.last_noise, _held(update_shapes, call.grads),
+  finite = _window_finite(options, call, acc, value_window)
+  if finite is None and call.apply is None:
+    # Under the conditional this runs only where window.apply: nothing to judge.
+    return (*update(inner_state, last_noise), jnp.array(True))
+  applied = window.apply if finite is None else window.apply & finite
+  if call.apply is None:
+    # Inside the device schedule's conditional: a select of the inner state here
+    # would have XLA copy the state through the outer conditional on every call.
+    new = jax.lax.cond(applied, update, refuse, inner_state, last_noise)
+  else:
+    # The host's applying call: no conditional, a select that fuses with the update.
+    new = jax.tree.map(
+        lambda n, o: jnp.where(applied, n, o), update(inner_state, last_noise),
+        refuse(inner_state, last_noise))
+  updates, inner_state, last_noise = new
+  return _zero_unless(applied, updates), inner_state, last_noise, applied
+
+
+def _step_inner(options, call, state, window) -> _Inner:
+  """The updates, the inner state and the last window's noise, after this call.
+
+  The host decided (``call.apply`` a Python bool): ``False`` returns constant
+  zeros and the inner state as it is, with nothing of the inner optimizer in the
+  program; ``True`` runs the inner update, with no conditional.
+
+  The device decides (``call.apply`` None): a conditional that every backend
+  keeps, so that the inner update runs on the emitting call alone. XLA:GPU
+  replaces a two-branch conditional whose branches hold only cheap operations
+  (elementwise, broadcasts, reductions: Adam's whole update) by selects, and then
+  runs both branches on every call; it keeps one whose other branch only passes
+  its operands through (:func:`accum_jax.testing.gpu_conditionals` predicts
+  which). So the skip branch here returns its operands as they are: the inner
+  state, the last window's noise, and values shaped like the updates
+  (:func:`_held`); the zero updates are a ``where`` after the conditional
+  (:func:`_zero_unless`), and the window's restart is one in :func:`_next_state`.
+  The window's sum does not go through the conditional as an output: the
+  addition writes it in place before, and the emitting branch only reads it.
+  """
+  # The shapes and dtypes of the inner update (an abstract trace; nothing is computed).
+  update_shapes, _ = jax.eval_shape(
+      functools.partial(_inner_update, options, call),
+      state.inner_opt_state, window.accumulator, window.value_accumulator,
   )
-  return _zero_unless(window.apply, updates), inner_state, last_noise
+  if call.apply is False:
+    zeros = _held(update_shapes, call.grads, make=_constant_zeros)
+    return _Inner(zeros, state.inner_opt_state, state.last_noise, False)
+  operands = (
+      state.inner_opt_state, window.accumulator, window.value_accumulator, state.last_noise,
+      _held(update_shapes, call.grads),
+  )
+  emit = functools.partial(_emit, options, call, window)
+  if call.apply is True:
+    return _Inner(*emit(*operands))
+
+  def hold(inner_state, acc, value_window, last_noise, held, not_applied):
+    del acc, value_window
+    return held, inner_state, last_noise, not_applied
+
+  def emit_with(*operands):
+    return emit(*operands[:-1])
+
+  # `window.apply` (False where hold runs) passes through as the flag: a
+  # constant made in the branch would make XLA:GPU turn the conditional into selects.
+  updates, inner_state, last_noise, applied = jax.lax.cond(
+      window.apply, emit_with, hold, *operands, window.apply)
+  return _Inner(_zero_unless(applied, updates), inner_state, last_noise, applied)
 
 
-def _next_state(options, call, state, window, inner_state, last_noise) -> AccumulationState:
+def _next_state(options, call, state, window, inner: _Inner) -> AccumulationState:
   """The state after this call: the window closed if it ended, counters advanced."""
+  applied = jnp.asarray(inner.applied)
   window_value = state.window_value
   if call.value is not None:
     window_value = jnp.where(
-        window.apply,
+        applied,
         _core.result(window.value_accumulator, window_value, options.value_reduction),
         window_value,
     )
@@ -401,11 +489,14 @@ def _next_state(options, call, state, window, inner_state, last_noise) -> Accumu
   # A window that ends with zero total weight holds nothing to apply (its
   # sum is zero too); it restarts, and is counted.
   empty_window = window.done & ~window.apply & (acc.count > 0) & (acc.weight == 0)
+  # A window refused when it was applied (not finite) counts its calls as skipped.
+  refused = window.apply & ~applied
+  acc = acc._replace(num_skipped=acc.num_skipped + jnp.where(refused, acc.count, 0))
   return AccumulationState(
       accumulator=_close_where(window.done, acc),
-      optimizer_step=state.optimizer_step + window.apply.astype(jnp.int32),
-      inner_opt_state=inner_state,
-      last_updated=window.apply,
+      optimizer_step=state.optimizer_step + applied.astype(jnp.int32),
+      inner_opt_state=inner.state,
+      last_updated=applied,
       num_empty_windows=state.num_empty_windows + empty_window.astype(jnp.int32),
       # Untouched (no work, nothing compiled) when no value is passed.
       value_accumulator=(
@@ -415,7 +506,7 @@ def _next_state(options, call, state, window, inner_state, last_noise) -> Accumu
       ),
       window_value=window_value,
       skip_state=window.skip_state,
-      **_next_noise(state, window, last_noise, options.by_noise),
+      **_next_noise(state, window, applied, inner.last_noise, options.by_noise),
   )
 
 
@@ -425,7 +516,7 @@ def _accumulate(
     *,
     reduction: _core.Reduction | Any = "mean",
     accumulator_dtype: Any = jnp.float32,
-    skip_nonfinite: bool = True,
+    skip_nonfinite: str | bool = "window",
     should_skip_update_fn: ShouldSkipUpdateFunction | None = None,
     every_k_name: str = "every_k",
     gradient_noise: bool = False,
@@ -440,11 +531,13 @@ def _accumulate(
   def init_fn(params):
     return _init(options, params)
 
-  def update_fn(updates, state, params=None, *, weight=None, flush=False, **extra_args):
-    call = _bind(options, updates, state, params, weight, flush, extra_args)
+  def update_fn(
+      updates, state, params=None, *, weight=None, flush=False, apply=None, **extra_args
+  ):
+    call = _bind(options, updates, state, params, weight, flush, apply, extra_args)
     window = _add(options, call, state)
-    new_updates, inner_state, last_noise = _step_inner(options, call, state, window)
-    return new_updates, _next_state(options, call, state, window, inner_state, last_noise)
+    inner = _step_inner(options, call, state, window)
+    return inner.updates, _next_state(options, call, state, window, inner)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -472,7 +565,7 @@ def _window_noise(noise: Any, window: _core.Accumulator, call: _Call) -> Any:
   return _noise.estimate(noise, _noise.mean_squared_norm(totals, factor))
 
 
-def _next_noise(state, window, last_noise, by_noise) -> dict[str, Any]:
+def _next_noise(state, window, applied, last_noise, by_noise) -> dict[str, Any]:
   """The noise fields after a call: emptied with the window, averaged when applied."""
   if state.noise == ():
     return {}
@@ -484,13 +577,13 @@ def _next_noise(state, window, last_noise, by_noise) -> dict[str, Any]:
   }
   if by_noise:
     ema = jax.tree.map(
-        lambda new, old: jnp.where(window.apply, new, old),
+        lambda new, old: jnp.where(applied, new, old),
         state.noise_ema.update(last_noise),
         state.noise_ema,
     )
     fields["noise_ema"] = ema
     fields["window_length"] = jnp.where(
-        window.apply, by_noise.next_k(ema, state.window_length), state.window_length
+        applied, by_noise.next_k(ema, state.window_length), state.window_length
     )
   return fields
 
@@ -501,7 +594,7 @@ def accumulate(
     *,
     reduction: _core.Reduction | Any = "mean",
     accumulator_dtype: Any = jnp.float32,
-    skip_nonfinite: bool = True,
+    skip_nonfinite: str | bool = "window",
     gradient_noise: bool = False,
     layout: str = "tree",
 ) -> optax.GradientTransformationExtraArgs:

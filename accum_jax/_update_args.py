@@ -10,6 +10,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def check_tree_matches(grads: Any, like: Any) -> None:
@@ -82,3 +83,39 @@ def check_value(value: Any) -> None:
         f" {jnp.shape(value)}. Pass the mean loss of the microbatch, e.g."
         " value=loss where loss, grads = jax.value_and_grad(loss_fn)(params, batch)."
     )
+
+
+# How accumulate guards against a NaN or Inf: "window" judges the window's sums
+# once, when it is applied (nothing per call); "call" checks each call's gradient
+# (a reduction per call) and leaves the rest of the window; False does neither.
+SKIP_MODES = ("window", "call", False)
+
+
+def check_skip_nonfinite(skip_nonfinite: Any) -> str | bool:
+  if skip_nonfinite is True:
+    raise ValueError(
+        "skip_nonfinite=True is ambiguous: pass 'window' (the default: a window whose"
+        " sum is not finite is skipped whole when it is applied, at no cost per call) or"
+        " 'call' (each call's gradient checked, a NaN call skipped alone).")
+  if not any(skip_nonfinite is mode or skip_nonfinite == mode for mode in SKIP_MODES):
+    raise ValueError(
+        f"skip_nonfinite={skip_nonfinite!r} is not one of {SKIP_MODES}. Pass 'window'"
+        " (the default), 'call' or False.")
+  return skip_nonfinite
+
+
+def check_apply(apply: Any, flush: Any) -> bool | None:
+  """``apply`` as the host's decision: None (the device schedule) or a Python bool."""
+  if apply is None:
+    return None
+  if not isinstance(apply, (bool, np.bool_)):
+    raise ValueError(
+        f"apply must be a Python bool decided on the host (True on the window's last"
+        f" call), got {type(apply).__name__} {apply!r}. Make it a static argument of"
+        " the jitted step, e.g. jax.jit(step, static_argnames='apply'), or leave it out"
+        " for the device schedule (every_k).")
+  if not (flush is None or flush is False):
+    raise ValueError(
+        f"flush={flush!r} with apply={apply}: with apply given, the host ends each"
+        " window. Pass apply=True on the epoch's last call instead of flush=True.")
+  return bool(apply)

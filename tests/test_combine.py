@@ -252,7 +252,8 @@ def test_accumulate_combines_each_leaf_as_its_reduction_says_over_calls(spec):
   reduction, layout, w_kind, stat_kind = CALL_SPECS[spec]
   params, batch = make_params(), make_batch()
   # 16 calls, one skipped (not counted): the window closes on the last.
-  opt = accum_jax.accumulate(optax.sgd(1.0), every_k=15, reduction=reduction)
+  opt = accum_jax.accumulate(optax.sgd(1.0), every_k=15, reduction=reduction,
+                             skip_nonfinite="call")
   update = jax.jit(opt.update)
   state = opt.init(layout(params))
   for i in range(16):

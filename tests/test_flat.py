@@ -8,6 +8,7 @@ leaves; refused, with the fix, where the tree layout is needed.
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -69,7 +70,7 @@ def test_flat_and_tree_layouts_give_the_same_training_with_a_skip_and_a_flush():
   params = _params()
   runs = []
   for layout in ("tree", "flat"):
-    opt = accum_jax.accumulate(optax.adamw(1e-2), every_k=K, layout=layout)
+    opt = accum_jax.accumulate(optax.adamw(1e-2), every_k=K, layout=layout, skip_nonfinite="call")
     state, p = opt.init(params), params
 
     @jax.jit
@@ -112,18 +113,38 @@ def test_a_flat_state_checkpoints_and_resumes_bit_for_bit(tmp_path):
   tree_allclose(finals[1], finals[0], rtol=0, atol=0)
 
 
-def _update_reductions(layout: str, num_leaves: int) -> int:
+def _update_reductions(layout: str, num_leaves: int, skip_nonfinite: str = "call") -> int:
   """Reductions traced in one update of ``num_leaves`` leaves, outside its conditional."""
   params = {f"p{i}": jnp.ones(4) for i in range(num_leaves)}
-  opt = accum_jax.accumulate(optax.adam(1e-3), every_k=K, layout=layout)
-  jaxpr = jax.make_jaxpr(opt.update)(params, opt.init(params), params)
-  return len(re.findall(r"\breduce_sum\b", str(jaxpr).split("cond[")[0]))
+  opt = accum_jax.accumulate(
+      optax.adam(1e-3), every_k=K, layout=layout, skip_nonfinite=skip_nonfinite)
+  jaxpr = jax.make_jaxpr(opt.update)(params, opt.init(params), params).jaxpr
+  return _reductions_outside_cond(jaxpr)
+
+
+def _reductions_outside_cond(jaxpr: Any) -> int:
+  count = 0
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "reduce_sum":
+      count += 1
+    elif eqn.primitive.name != "cond":  # jit's and custom_jvp's bodies are looked into
+      for value in eqn.params.values():
+        sub = getattr(value, "jaxpr", value)
+        if hasattr(sub, "eqns"):
+          count += _reductions_outside_cond(sub)
+  return count
 
 
 def test_a_flat_call_checks_its_gradient_with_as_many_reductions_whatever_the_leaves():
   assert _update_reductions("flat", 4) == _update_reductions("flat", 40) >= 1
   # The tree layout, for contrast, packs its check too (one reduction per dtype).
   assert _update_reductions("tree", 4) == _update_reductions("tree", 40)
+
+
+@pytest.mark.parametrize("layout", ["tree", "flat"])
+def test_by_default_a_call_that_only_accumulates_reduces_nothing(layout):
+  # The default judges the window once, inside the conditional that applies it.
+  assert _update_reductions(layout, 40, skip_nonfinite="window") == 0
 
 
 def test_layout_must_be_tree_or_flat():

@@ -462,7 +462,7 @@ def test_flush_drops_nothing_and_an_empty_window_flush_does_nothing():
   k = 3
   # The learning rate is the optimizer step + 1: the updates show both the
   # gradient and the step count the inner optimizer saw.
-  opt = accum_jax.accumulate(optax.sgd(lambda count: count + 1.0), k)
+  opt = accum_jax.accumulate(optax.sgd(lambda count: count + 1.0), k, skip_nonfinite="call")
   params = make_params()
   g = microbatch_grads(params, 7)
   nan = _nan_like(g[0])
@@ -515,7 +515,8 @@ def test_nonfinite_calls_are_skipped_and_the_accumulator_stays_finite():
   inf_in_one_leaf = {**g[0], "scale": jnp.asarray(jnp.inf, jnp.float32)}
   sequence = [g[0], _nan_like(g[0]), g[1], inf_in_one_leaf, g[2], g[3], g[4], g[5]]
   _, updates, states = scan_updates(
-      _identity_accumulated(k), params, stack_trees(sequence), apply_updates=False
+      _identity_accumulated(k, skip_nonfinite="call"), params, stack_trees(sequence),
+      apply_updates=False,
   )
   updates = unstack_tree(updates)
   tree_allclose(updates[4], tree_weighted_mean(g[0:3]))
@@ -837,7 +838,8 @@ def _record_value_and_grad():
 
 @functools.cache
 def _value_recorder(k, reduction="mean"):
-  return accum_jax.accumulate(_record_value_and_grad(), k, reduction=reduction)
+  return accum_jax.accumulate(
+      _record_value_and_grad(), k, reduction=reduction, skip_nonfinite="call")
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
