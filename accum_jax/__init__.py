@@ -4,6 +4,7 @@ from importlib import metadata as _metadata
 
 from accum_jax._cached import cached_value_and_grad
 from accum_jax._core import Accumulator
+from accum_jax._host_schedule import HostSchedule
 from accum_jax._microbatch import MicrobatchInfo, grad, value_and_grad
 from accum_jax._multisteps import MultiSteps
 from accum_jax._noise import GradientNoise, NoiseScaleEMA
@@ -31,6 +32,7 @@ __all__ = (
     "AccumulationState",
     "EveryKSchedule",
     "GradientNoise",
+    "HostSchedule",
     "LeafDeviation",
     "MemoryBudgetError",
     "MicrobatchInfo",

@@ -97,7 +97,7 @@ def window_sum(acc: _core.Accumulator) -> Any:
   return jax.tree.map(masked, acc.total)
 
 
-def _find_state(state: Any, caller: str) -> AccumulationState:
+def find_state(state: Any, caller: str) -> AccumulationState:
   def is_state(x):
     return isinstance(x, AccumulationState)
 
@@ -138,7 +138,7 @@ def has_updated(state: Any) -> jax.Array:
     False
   """
   # asarray unwraps array-likes such as the nnx.Variables of an nnx.Optimizer.
-  return jnp.asarray(_find_state(state, "has_updated").last_updated)
+  return jnp.asarray(find_state(state, "has_updated").last_updated)
 
 
 def optimizer_step(state: Any) -> jax.Array:
@@ -163,7 +163,7 @@ def optimizer_step(state: Any) -> jax.Array:
     >>> int(accum_jax.optimizer_step(state)), int(state.mini_step)
     (2, 1)
   """
-  return jnp.asarray(_find_state(state, "optimizer_step").optimizer_step)
+  return jnp.asarray(find_state(state, "optimizer_step").optimizer_step)
 
 
 def gradient_noise(state: Any) -> _noise.GradientNoise:
@@ -188,7 +188,7 @@ def gradient_noise(state: Any) -> _noise.GradientNoise:
     >>> float(noise.trace_cov), float(noise.grad_sq)
     (2.0, 3.0)
   """
-  found = _find_state(state, "gradient_noise")
+  found = find_state(state, "gradient_noise")
   if isinstance(found.last_noise, tuple) and found.last_noise == ():
     raise ValueError(
         "gradient_noise found an accumulate state that does not measure the noise: build"

@@ -1,0 +1,229 @@
+"""The host's schedule: ``update(..., apply=<Python bool>)`` and ``HostSchedule``.
+
+The host says which call ends a window; two programs are compiled, one that only
+adds and one that adds and applies. Each is checked against the device schedule
+(``apply`` left out) and against means computed the plain way, through the forms
+users write: ``jax.jit`` with a static ``apply``, ``nnx.Optimizer``, a Flax
+``TrainState`` and Equinox.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import make_params, microbatch_grads, tree_allclose, tree_weighted_mean
+
+import accum_jax
+
+K = 4
+
+
+def _nan_like(tree):
+  return jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), tree)
+
+
+@functools.partial(jax.jit, static_argnames=("opt", "apply"), donate_argnums=(0, 1))
+def _step(params, state, grads, weight, *, opt, apply):
+  updates, state = opt.update(grads, state, params, weight=weight, apply=apply)
+  return optax.apply_updates(params, updates), state
+
+
+@functools.partial(jax.jit, static_argnames="opt", donate_argnums=(0, 1))
+def _device_step(params, state, grads, weight, *, opt):
+  updates, state = opt.update(grads, state, params, weight=weight)
+  return optax.apply_updates(params, updates), state
+
+
+def _copy(tree):
+  return jax.tree.map(jnp.copy, tree)
+
+
+def _run_host(opt, params, calls, flags, state=None):
+  state = opt.init(params) if state is None else _copy(state)
+  params = _copy(params)
+  for (grads, weight), apply in zip(calls, flags):
+    params, state = _step(params, state, grads, weight, opt=opt, apply=apply)
+  return params, state
+
+
+def _run_device(opt, params, calls, state=None):
+  state = opt.init(params) if state is None else _copy(state)
+  params = _copy(params)
+  for grads, weight in calls:
+    params, state = _device_step(params, state, grads, weight, opt=opt)
+  return params, state
+
+
+def _calls(n, nan_at=()):
+  grads = microbatch_grads(make_params(), n)
+  weights = [1.0 + (i % 3) for i in range(n)]
+  return [(_nan_like(g) if i in nan_at else g, jnp.float32(w))
+          for i, (g, w) in enumerate(zip(grads, weights))]
+
+
+# One optimizer per configuration, shared, so that each compiles once.
+ADAMW = accum_jax.accumulate(optax.adamw(1e-2, weight_decay=0.1), every_k=K)
+IDENTITY = accum_jax.accumulate(optax.identity(), every_k=K)
+
+
+@pytest.mark.parametrize("nan_at", [(), (5,)], ids=["finite", "a NaN call in the second window"])
+def test_the_host_schedule_equals_the_device_schedule(nan_at):
+  calls = _calls(3 * K, nan_at)
+  flags = [(i + 1) % K == 0 for i in range(3 * K)]
+  host = _run_host(ADAMW, make_params(), calls, flags)
+  device = _run_device(ADAMW, make_params(), calls)
+  tree_allclose(host, device, rtol=0, atol=0)
+  params, state = host
+  assert int(state.optimizer_step) == 3 - len(nan_at)
+  # The NaN window is skipped whole and its calls counted; the windows after it
+  # stay aligned with the data: calls 8 to 11 make the third window.
+  assert int(state.num_skipped) == K * len(nan_at)
+
+
+def test_host_windows_of_3_5_and_2_calls_apply_their_weighted_means():
+  calls = _calls(10)
+  lengths = (3, 5, 2)
+  flags = [i + 1 == n for n in lengths for i in range(n)]
+  state = IDENTITY.init(make_params())
+  start = 0
+  for n in lengths:
+    for i, (grads, weight) in enumerate(calls[start:start + n]):
+      updates, state = jax.jit(IDENTITY.update, static_argnames="apply")(
+          grads, state, weight=weight, apply=flags[start + i])
+      if i < n - 1:
+        tree_allclose(updates, jax.tree.map(jnp.zeros_like, grads))
+    window = calls[start:start + n]
+    tree_allclose(updates, tree_weighted_mean([g for g, _ in window], [w for _, w in window]))
+    start += n
+  assert int(state.optimizer_step) == 3 and int(state.mini_step) == 0
+
+
+@pytest.mark.parametrize("skip_nonfinite", ["window", "call", False])
+def test_the_two_programs_hold_no_conditional_and_the_adding_one_no_inner_update(skip_nonfinite):
+  params = make_params()
+  opt = accum_jax.accumulate(optax.adam(1e-3), every_k=K, skip_nonfinite=skip_nonfinite)
+  state = opt.init(params)
+  grads, weight = _calls(1)[0]
+  programs = {apply: _step.lower(params, state, grads, weight, opt=opt, apply=apply).compile()
+              for apply in (False, True)}
+  for apply, compiled in programs.items():
+    assert " conditional(" not in compiled.as_text(), apply
+  # Adam's update divides by a square root; the call that only adds holds none.
+  assert re.search(r" (sqrt|rsqrt)\(", programs[True].as_text())
+  assert not re.search(r" (sqrt|rsqrt)\(", programs[False].as_text())
+  # ...and no reduction: with skip_nonfinite="window", nothing is checked per call.
+  reduces = re.findall(r" reduce\(", programs[False].as_text())
+  assert (len(reduces) == 0) == (skip_nonfinite != "call"), reduces
+
+
+def test_a_state_saved_mid_window_continues_under_either_schedule():
+  ocp = pytest.importorskip("orbax.checkpoint")
+  import tempfile
+
+  calls = _calls(3 * K)
+  flags = [(i + 1) % K == 0 for i in range(3 * K)]
+  reference = _run_host(ADAMW, make_params(), calls, flags)
+  middle = K + 2  # two calls into the second window
+  params, state = _run_host(ADAMW, make_params(), calls[:middle], flags[:middle])
+  with tempfile.TemporaryDirectory() as directory:
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(f"{directory}/state", (params, state))
+    checkpointer.wait_until_finished()
+    target = (make_params(), accum_jax.abstract_state(ADAMW, make_params()))
+    restored = checkpointer.restore(f"{directory}/state", target)
+  schedule = accum_jax.HostSchedule(K, restored[1])
+  assert (schedule.calls, schedule.optimizer_step) == (2, 1)
+  resumed_flags = [schedule.next() for _ in calls[middle:]]
+  assert resumed_flags == flags[middle:]
+  host = _run_host(ADAMW, restored[0], calls[middle:], resumed_flags, restored[1])
+  device = _run_device(ADAMW, restored[0], calls[middle:], restored[1])
+  tree_allclose(host, reference, rtol=0, atol=0)
+  tree_allclose(device, reference, rtol=0, atol=0)
+
+
+def test_host_schedule_follows_every_k_schedules_and_ends_a_window_on_the_last_call():
+  schedule = accum_jax.HostSchedule(accum_jax.every_k_schedule({0: 2, 2: 3}))
+  flags = [schedule.next() for _ in range(9)] + [schedule.next(last=True)]
+  assert flags == [False, True, False, True, False, False, True, False, False, True]
+  assert schedule.optimizer_step == 4 and schedule.calls == 0
+  # As the device schedule, with the same every_k, ends the same windows.
+  opt = accum_jax.accumulate(optax.identity(), every_k=accum_jax.every_k_schedule({0: 2, 2: 3}))
+  state = opt.init(make_params())
+  device_flags = []
+  for grads, _ in _calls(9):
+    _, state = jax.jit(opt.update)(grads, state)
+    device_flags.append(bool(state.last_updated))
+  assert device_flags == flags[:9]
+
+
+def test_apply_must_be_a_python_bool_and_replaces_flush():
+  params = make_params()
+  state = IDENTITY.init(params)
+  grads = microbatch_grads(params, 1)[0]
+  with pytest.raises(ValueError, match=re.escape("static_argnames='apply'")):
+    jax.jit(lambda a: IDENTITY.update(grads, state, apply=a))(True)
+  with pytest.raises(ValueError, match=re.escape("Pass apply=True on the epoch's last call")):
+    IDENTITY.update(grads, state, apply=False, flush=True)
+  with pytest.raises(ValueError, match=re.escape("skip_nonfinite=True is ambiguous")):
+    accum_jax.accumulate(optax.sgd(1.0), every_k=2, skip_nonfinite=True)
+  with pytest.raises(ValueError, match=re.escape("Leave apply= out of update for it")):
+    accum_jax.HostSchedule(accum_jax.noise_scale_every_k(8, k_max=4))
+
+
+def test_nnx_optimizer_takes_apply_through_nnx_jit():
+  nnx = pytest.importorskip("flax.nnx")
+  results = []
+  for host in (True, False):
+    model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, ADAMW, wrt=nnx.Param)
+    schedule = accum_jax.HostSchedule(K, optimizer.opt_state)
+
+    @functools.partial(nnx.jit, static_argnames="apply")
+    def step(model, optimizer, x, apply):
+      grads = nnx.grad(lambda m: jnp.mean(m(x) ** 2))(model)
+      if apply is None:
+        optimizer.update(model, grads)
+      else:
+        optimizer.update(model, grads, apply=apply)
+
+    for i in range(2 * K):
+      x = jnp.full((4, 3), float(i + 1)) * jnp.arange(3.0)
+      step(model, optimizer, x, schedule.next() if host else None)
+    results.append((nnx.state(model, nnx.Param), optimizer.opt_state))
+  # Two programs against one, compiled apart: float32 round-off apart at most.
+  tree_allclose(*[jax.tree.map(jnp.asarray, r) for r in results])
+  assert int(accum_jax.optimizer_step(results[0][1])) == 2
+
+
+def test_train_state_and_equinox_take_apply():
+  train_state = pytest.importorskip("flax.training.train_state")
+  eqx = pytest.importorskip("equinox")
+  import accum_jax.flax
+
+  calls = _calls(2 * K)
+  flags = [(i + 1) % K == 0 for i in range(2 * K)]
+  reference, _ = _run_device(ADAMW, make_params(), calls)
+
+  state = train_state.TrainState.create(apply_fn=None, params=make_params(), tx=ADAMW)
+  apply_gradients = jax.jit(accum_jax.flax.apply_gradients, static_argnames="apply")
+  for (grads, weight), apply in zip(calls, flags):
+    state = apply_gradients(state, grads=grads, weight=weight, apply=apply)
+  tree_allclose(state.params, reference, rtol=0, atol=0)
+  assert int(state.step) == 2 * K and int(accum_jax.optimizer_step(state)) == 2
+
+  @eqx.filter_jit
+  def eqx_step(params, opt_state, grads, weight, apply):  # a Python bool is static here
+    updates, opt_state = ADAMW.update(grads, opt_state, params, weight=weight, apply=apply)
+    return eqx.apply_updates(params, updates), opt_state
+
+  params, opt_state = make_params(), ADAMW.init(make_params())
+  for (grads, weight), apply in zip(calls, flags):
+    params, opt_state = eqx_step(params, opt_state, grads, weight, apply)
+  tree_allclose(params, reference, rtol=0, atol=0)
+  np.testing.assert_array_equal(int(accum_jax.optimizer_step(opt_state)), 2)
