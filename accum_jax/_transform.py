@@ -124,6 +124,9 @@ class _Inner(NamedTuple):
   # shape=(), dtype=bool: the window was applied: it ended, held weight, and (with
   # skip_nonfinite="window") its sums were finite. A Python bool where the host decided.
   applied: Any
+  # The accumulator's sum after the call where the conditional returned it (the
+  # updates took its buffers on an emitting call), else None: the window's own.
+  total: Any = None
 
 
 def _make_options(
@@ -350,8 +353,8 @@ def _inner_update(options, call, inner_state, window, value_window):
 
 def _held(update_shapes: Any, grads: Any, make: Any = None) -> Any:
   """Values of the updates' shapes made outside the inner update: each gradient
-  leaf where it fits (cast if need be), else ``make(shape)`` (zeros by default).
-  Which values does not matter where a ``where`` makes them zeros after."""
+  leaf where it fits (cast if need be), else ``make(shape, leaf)`` (zeros by
+  default). Which values does not matter where a ``where`` makes them zeros after."""
   shapes, treedef = jax.tree.flatten(update_shapes)
   given = jax.tree.leaves(grads)
   if len(given) != len(shapes):
@@ -394,18 +397,19 @@ def _window_finite(options, call, acc, value_window) -> jax.Array | None:
   return finite
 
 
-def _emit(options, call, window, inner_state, acc, value_window, last_noise, held):
+def _emit(options, call, window, inner_state, acc, value_window, last_noise, carrier):
   """The emitting call: the inner update on the window, kept only where the
-  window is applied (``window.apply``, and finite where it is judged here)."""
+  window is applied (``window.apply``, and finite where it is judged here). The
+  updates come back in ``carrier``'s dtypes."""
 
   def update(inner_state, last_noise):
     del last_noise
     new_updates, new_inner_state = _inner_update(options, call, inner_state, acc, value_window)
     window_noise = _window_noise(window.noise, acc, call) if options.track_noise else ()
-    return _cast_like(new_updates, held), _cast_like(new_inner_state, inner_state), window_noise
+    return _cast_like(new_updates, carrier), _cast_like(new_inner_state, inner_state), window_noise
 
   def refuse(inner_state, last_noise):
-    return held, inner_state, last_noise
+    return carrier, inner_state, last_noise
 
   finite = _window_finite(options, call, acc, value_window)
   if finite is None and call.apply is None:
@@ -421,8 +425,33 @@ def _emit(options, call, window, inner_state, acc, value_window, last_noise, hel
     new = jax.tree.map(
         lambda n, o: jnp.where(applied, n, o), update(inner_state, last_noise),
         refuse(inner_state, last_noise))
-  updates, inner_state, last_noise = new
-  return _zero_unless(applied, updates), inner_state, last_noise, applied
+  return (*new, applied)
+
+
+def _carrier(update_shapes: Any, call: _Call, acc: _core.Accumulator) -> tuple[Any, bool]:
+  """What the device schedule's conditional takes and returns as the updates, and
+  whether it is the window's sum.
+
+  The skip branch must pass it through untouched (XLA:GPU keeps only such a
+  conditional), and a value passed through is free only if nothing reads it
+  after: the parameters are read again by ``apply_updates`` (XLA copies them
+  into the branch), and a gradient taken in the same step must then be written
+  out rather than fused into the accumulator's add. The window's sum is free:
+  the emitting call is its last reader, so the updates can take its buffers (it
+  becomes the state's sum, which :func:`accum_jax._state.window_sum` reads as
+  zeros once the window is closed). Where the updates do not fit it (another
+  tree, or a dtype the sum cannot hold exactly), the gradient, cast.
+  """
+  total = acc.total
+  if not isinstance(total, _flat.Flat) and jax.tree.structure(total) == jax.tree.structure(
+      update_shapes):
+    fits = all(
+        jnp.shape(t) == u.shape and jnp.promote_types(u.dtype, t.dtype) == t.dtype
+        for t, u in zip(jax.tree.leaves(total), jax.tree.leaves(update_shapes))
+    )
+    if fits:
+      return total, True
+  return _held(update_shapes, call.grads), False
 
 
 def _step_inner(options, call, state, window) -> _Inner:
@@ -439,40 +468,41 @@ def _step_inner(options, call, state, window) -> _Inner:
   runs both branches on every call; it keeps one whose other branch only passes
   its operands through (:func:`accum_jax.testing.gpu_conditionals` predicts
   which). So the skip branch here returns its operands as they are: the inner
-  state, the last window's noise, and values shaped like the updates
-  (:func:`_held`); the zero updates are a ``where`` after the conditional
+  state, the last window's noise, and a value of the updates' shapes
+  (:func:`_carrier`); the zero updates are a ``where`` after the conditional
   (:func:`_zero_unless`), and the window's restart is one in :func:`_next_state`.
-  The window's sum does not go through the conditional as an output: the
-  addition writes it in place before, and the emitting branch only reads it.
   """
   # The shapes and dtypes of the inner update (an abstract trace; nothing is computed).
   update_shapes, _ = jax.eval_shape(
       functools.partial(_inner_update, options, call),
       state.inner_opt_state, window.accumulator, window.value_accumulator,
   )
+  held = _held(update_shapes, call.grads)  # the updates' dtypes, as the caller gets them
   if call.apply is False:
     zeros = _held(update_shapes, call.grads, make=_constant_zeros)
     return _Inner(zeros, state.inner_opt_state, state.last_noise, False)
-  operands = (
-      state.inner_opt_state, window.accumulator, window.value_accumulator, state.last_noise,
-      _held(update_shapes, call.grads),
-  )
+  operands = (state.inner_opt_state, window.accumulator, window.value_accumulator,
+              state.last_noise)
   emit = functools.partial(_emit, options, call, window)
   if call.apply is True:
-    return _Inner(*emit(*operands))
+    updates, inner_state, last_noise, applied = emit(*operands, held)
+    return _Inner(_zero_unless(applied, updates), inner_state, last_noise, applied)
 
-  def hold(inner_state, acc, value_window, last_noise, held, not_applied):
+  carrier, is_sum = _carrier(update_shapes, call, window.accumulator)
+
+  def hold(inner_state, acc, value_window, last_noise, carrier, not_applied):
     del acc, value_window
-    return held, inner_state, last_noise, not_applied
+    return carrier, inner_state, last_noise, not_applied
 
   def emit_with(*operands):
     return emit(*operands[:-1])
 
   # `window.apply` (False where hold runs) passes through as the flag: a
   # constant made in the branch would make XLA:GPU turn the conditional into selects.
-  updates, inner_state, last_noise, applied = jax.lax.cond(
-      window.apply, emit_with, hold, *operands, window.apply)
-  return _Inner(_zero_unless(applied, updates), inner_state, last_noise, applied)
+  out, inner_state, last_noise, applied = jax.lax.cond(
+      window.apply, emit_with, hold, *operands, carrier, window.apply)
+  updates = _zero_unless(applied, _cast_like(out, held))
+  return _Inner(updates, inner_state, last_noise, applied, out if is_sum else None)
 
 
 def _next_state(options, call, state, window, inner: _Inner) -> AccumulationState:
@@ -486,6 +516,8 @@ def _next_state(options, call, state, window, inner: _Inner) -> AccumulationStat
         window_value,
     )
   acc = window.accumulator
+  if inner.total is not None:
+    acc = acc._replace(total=inner.total)
   # A window that ends with zero total weight holds nothing to apply (its
   # sum is zero too); it restarts, and is counted.
   empty_window = window.done & ~window.apply & (acc.count > 0) & (acc.weight == 0)

@@ -89,6 +89,54 @@ def full_size_copies(compiled: jax.stages.Compiled, like: Any) -> int:
   return sum(shape in shapes for shape in copies)
 
 
+def _computations(text: str) -> dict[str, str]:
+  """The computations of an HLO module's text, by name (ENTRY's as "ENTRY")."""
+  found = {}
+  for block in re.split(r"\n(?=\S)", text):
+    head = re.match(r"(ENTRY )?%?([\w.\-]+)", block)
+    if head and "{" in block.splitlines()[0]:
+      found["ENTRY" if head.group(1) else head.group(2)] = block
+  return found
+
+
+def _kernel_computations(compiled: jax.stages.Compiled) -> list[str]:
+  """The entry computation and its conditionals' branches (nested ones too): the
+  computations whose instructions are kernels, not parts of one."""
+  computations = _computations(compiled.as_text())
+  pending = [computations["ENTRY"]]
+  found = []
+  while pending:
+    computation = pending.pop()
+    found.append(computation)
+    for names in re.findall(r"branch_computations=\{([^}]*)\}", computation):
+      pending.extend(computations[name] for name in re.findall(r"%?([\w.\-]+)", names))
+  return found
+
+
+def copied_shapes(compiled: jax.stages.Compiled) -> list[str]:
+  """The shapes (``f32[64,256]``, ``s32[]``) that the ``copy`` kernels of a compiled
+  program move: at the top level and in its conditionals' branches (a copy inside a
+  fusion is a layout change within a kernel, not counted)."""
+  return [shape for computation in _kernel_computations(compiled)
+          for shape in re.findall(r"= (\S+?)(?:\{[^}]*\})? copy\(", computation)]
+
+
+def entry_counts(compiled: jax.stages.Compiled) -> dict[str, int]:
+  """Fusions, copies and conditionals of a compiled program, as kernels go.
+
+  ``fusions``: at the top level (on a GPU about one kernel launch each, 10-15 us
+  whatever its size). ``copies``: :func:`copied_shapes`, each a kernel that moves a
+  buffer. ``conditionals``: at the top level (each kept one a wait of the host).
+  The CPU's compiled program shows the same shape as the GPU's.
+  """
+  entry = _kernel_computations(compiled)[0]
+  return {
+      "fusions": len(re.findall(r" fusion\(", entry)),
+      "copies": len(copied_shapes(compiled)),
+      "conditionals": len(re.findall(r" conditional\(", entry)),
+  }
+
+
 def tree_nbytes(tree: Any) -> int:
   """Total bytes of the array leaves of ``tree``."""
   return sum(int(getattr(x, "nbytes", 0)) for x in jax.tree.leaves(tree))

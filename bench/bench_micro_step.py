@@ -1,17 +1,29 @@
-"""The across-calls micro-step against the floor of the Optax contract, on many leaves.
+"""Across calls, as users write a train step: the gradient, ``tx.update`` and the update, one jit.
 
-A call of ``accumulate`` that only accumulates must add the gradient and return
-zero updates; nothing more. Its floor is what a careful user writes by hand: a
-float32 tree accumulator, ``lax.cond(emit, inner branch, skip branch)`` with the
-inner branch kept on a GPU (an ``optimization_barrier`` in it: XLA:GPU turns a
-conditional of cheap branches into selects and runs both), and the user's
-``optax.apply_updates`` in the same jit, with the state donated and returned
-first. The tree is shaped like ``bench_gpu.py``'s GPT-2 (148 leaves) at narrow
-widths so that it runs on a CPU, and a 1,000-leaf tree beside it.
+Each row is one jitted step that takes the gradient of one microbatch (a narrow
+GPT-2-shaped Transformer, 148 leaves, bfloat16 parameters), gives it to the
+optimizer and applies the updates, with the parameters and the optimizer state
+donated. A *micro-step* is a call that only accumulates; a *window* is the
+``every_k`` = 8 calls whose last one applies AdamW. Two floors:
 
-Each row is timed in interleaved rounds against the floor (the ratio is the median
-of the rounds' ratios) and its compiled program is counted: top-level fusions
-(on a GPU, about one kernel each, 10-15 us whatever its size) and conditionals.
+- the **acc-only floor**: the two-program form a careful user writes by hand, a
+  jitted gradient plus a float32 tree add, with no optimizer in the program;
+- the **interface's floor**: the same with AdamW's state passed through untouched,
+  as the Optax interface hands the whole state to every call (each buffer passed
+  to a jitted call costs its dispatch).
+
+The rows: the floors; the host schedule (``accumulate(adamw)`` with
+``apply=False`` on 7 calls and ``apply=True`` on the 8th, two compiled programs),
+also with the inner state packed by ``optax.flatten`` and in the flat layout; the
+device schedule (``apply`` left out: one program, a kept conditional), also with
+``skip_nonfinite="call"`` and in the flat layout; a hand-written
+``lax.cond`` accumulator; a plain AdamW step; ``optax.MultiSteps(adamw)``.
+
+The rows take turns, a window each per round, so that machine noise falls on all
+alike; a row's micro-step is the median of its calls 1-7, its window the median of
+its windows' sums. Its compiled micro-step is counted (``_common.entry_counts``):
+top-level fusions (on a GPU about one kernel each, 10-15 us whatever its size),
+copies and conditionals.
 
 Run from the repository root::
 
@@ -22,37 +34,51 @@ Run from the repository root::
 from __future__ import annotations
 
 import argparse
-import re
 import statistics
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
-from _common import environment, markdown_table, write_json
+from _common import (
+    copied_shapes,
+    entry_counts,
+    environment,
+    git_commit,
+    markdown_table,
+    write_json,
+)
 
 import accum_jax
 
 EVERY_K = 8
+ACC_FLOOR = "acc-only floor: gradient + f32 tree add"
+FLOOR = "interface's floor: the same, AdamW state passed through"
+HOST = "accumulate(adamw), host schedule"
+DEVICE = "accumulate(adamw), device schedule"
+MULTISTEPS = "optax.MultiSteps(adamw)"
 
 
-def gpt2_tree(layers: int = 12, width: int = 64, vocab: int = 512, context: int = 128) -> Any:
+def gpt2_tree(layers: int = 12, width: int = 64, vocab: int = 128, context: int = 16) -> Any:
   """Parameters shaped like GPT-2's (148 leaves at 12 layers), narrow, in bfloat16."""
+  keys = iter(jax.random.split(jax.random.key(0), 8 * layers + 4))
+
   def norm():
     return {"scale": jnp.ones(width), "bias": jnp.zeros(width)}
 
   def dense(n_in, n_out):
-    return {"w": jnp.full((n_in, n_out), 0.01), "b": jnp.zeros(n_out)}
+    return {"w": 0.02 * jax.random.normal(next(keys), (n_in, n_out)), "b": jnp.zeros(n_out)}
 
   params: dict[str, Any] = {
-      "wte": jnp.full((vocab, width), 0.01), "wpe": jnp.full((context, width), 0.01),
+      "wte": 0.02 * jax.random.normal(next(keys), (vocab, width)),
+      "wpe": 0.02 * jax.random.normal(next(keys), (context, width)),
       "ln_f": norm(),
   }
   for i in range(layers):
-    params[f"h{i}"] = {
+    params[f"h{i:02d}"] = {
         "ln_1": norm(), "ln_2": norm(),
         "attn": {"qkv": dense(width, 3 * width), "proj": dense(width, width)},
         "mlp": {"fc": dense(width, 4 * width), "proj": dense(4 * width, width)},
@@ -60,171 +86,237 @@ def gpt2_tree(layers: int = 12, width: int = 64, vocab: int = 512, context: int 
   return jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
 
 
-def many_leaves(num_leaves: int = 1000, size: int = 256) -> Any:
-  """``num_leaves`` bfloat16 vectors: per-leaf cost with nothing else."""
-  return {f"p{i:04d}": jnp.full((size,), 0.01, jnp.bfloat16) for i in range(num_leaves)}
+def _layer_norm(p: Any, x: jax.Array) -> jax.Array:
+  mean = x.mean(-1, keepdims=True)
+  x = (x - mean) * jax.lax.rsqrt(((x - mean) ** 2).mean(-1, keepdims=True) + 1e-5)
+  return x * p["scale"] + p["bias"]
+
+
+def _block(p: Any, x: jax.Array, heads: int = 4) -> jax.Array:
+  t, width = x.shape
+  q, k, v = jnp.split(_layer_norm(p["ln_1"], x) @ p["attn"]["qkv"]["w"]
+                      + p["attn"]["qkv"]["b"], 3, axis=-1)
+  q, k, v = (y.reshape(t, heads, width // heads) for y in (q, k, v))
+  attention = jax.nn.dot_product_attention(q[None], k[None], v[None], is_causal=True)[0]
+  x = x + attention.reshape(t, width) @ p["attn"]["proj"]["w"] + p["attn"]["proj"]["b"]
+  hidden = jax.nn.gelu(_layer_norm(p["ln_2"], x) @ p["mlp"]["fc"]["w"] + p["mlp"]["fc"]["b"])
+  return x + hidden @ p["mlp"]["proj"]["w"] + p["mlp"]["proj"]["b"]
+
+
+def loss_fn(params: Any, tokens: jax.Array) -> jax.Array:
+  """Next-token cross-entropy of one sequence, in float32."""
+  inputs, targets = tokens[:-1], tokens[1:]
+  x = params["wte"][inputs] + params["wpe"][: inputs.shape[0]]
+  for name in sorted(k for k in params if k.startswith("h")):
+    x = _block(params[name], x)
+  logits = (_layer_norm(params["ln_f"], x) @ params["wte"].T).astype(jnp.float32)
+  return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+
+def gradient(params: Any, tokens: jax.Array) -> Any:
+  return jax.grad(loss_fn)(params, tokens)
 
 
 # ---------------------------------------------------------------------------
-# The floor, and the rows: each an (init, step) pair; step(state, params, grads)
-# returns (state, params), jitted with the state donated.
+# The rows. Each is an init and a step(params, state, tokens, apply) -> (params,
+# state); `apply` is a Python bool on rows that the host schedules (`host`), and
+# ignored by the others.
 
 
-def floor(inner: optax.GradientTransformation) -> tuple[Callable, Callable]:
-  """The hand-written accumulator: the reset folded into the add, the inner branch kept."""
+class Row(NamedTuple):
+  init: Callable[[Any], Any]
+  step: Callable[..., tuple[Any, Any]]
+  host: bool = False  # the host says which call applies: two compiled programs
+
+
+def _zeros32(params: Any) -> Any:
+  return jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+
+
+def acc_only_floor() -> Row:
+  def step(params, acc, tokens, apply):
+    del apply
+    grads = gradient(params, tokens)
+    return params, jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads)
+
+  return Row(_zeros32, step)
+
+
+def interface_floor(inner: optax.GradientTransformation) -> Row:
+  def step(params, state, tokens, apply):
+    acc, inner_state = state
+    params, acc = acc_only_floor().step(params, acc, tokens, apply)
+    return params, (acc, inner_state)
+
+  return Row(lambda p: (_zeros32(p), inner.init(p)), step)
+
+
+def hand_written_cond(inner: optax.GradientTransformation) -> Row:
+  """A careful user's accumulator: the inner update under a conditional XLA:GPU keeps."""
   def init(params):
-    acc = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-    return acc, inner.init(params), jnp.zeros((), jnp.int32)
+    return _zeros32(params), inner.init(params), jnp.zeros((), jnp.int32)
 
-  def step(state, params, grads):
+  def step(params, state, tokens, apply):
+    del apply
     acc, inner_state, count = state
+    grads = gradient(params, tokens)
     first = count % EVERY_K == 0
-    acc = jax.tree.map(
-        lambda a, g: jnp.where(first, 0.0, a) + g.astype(jnp.float32), acc, grads)
+    acc = jax.tree.map(lambda a, g: jnp.where(first, 0.0, a) + g.astype(jnp.float32), acc, grads)
     count = count + 1
 
-    def apply(acc, inner_state):
+    def emit(acc, inner_state):
       mean = jax.tree.map(lambda a, p: (a / EVERY_K).astype(p.dtype), acc, params)
       updates, inner_state = inner.update(mean, inner_state, params)
       return jax.lax.optimization_barrier(updates), inner_state
 
-    def skip(acc, inner_state):
+    def hold(acc, inner_state):
       del acc
       return jax.tree.map(jnp.zeros_like, params), inner_state
 
-    updates, inner_state = jax.lax.cond(count % EVERY_K == 0, apply, skip, acc, inner_state)
-    return (acc, inner_state, count), optax.apply_updates(params, updates)
+    updates, inner_state = jax.lax.cond(count % EVERY_K == 0, emit, hold, acc, inner_state)
+    return optax.apply_updates(params, updates), (acc, inner_state, count)
 
-  return init, step
-
-
-def transformation(tx: optax.GradientTransformation) -> tuple[Callable, Callable]:
-  """An Optax transformation's update and ``apply_updates`` in one step."""
-  def step(state, params, grads):
-    updates, state = tx.update(grads, state, params)
-    return state, optax.apply_updates(params, updates)
-
-  return tx.init, step
+  return Row(init, step)
 
 
-def flax_train_state(inner: optax.GradientTransformation) -> tuple[Callable, Callable]:
-  """``accum_jax.flax.apply_gradients`` on a Flax ``TrainState``."""
-  from flax.training import train_state
+def transformation(tx: optax.GradientTransformation, host: bool = False) -> Row:
+  """The step users write: ``tx.update`` of the gradient, then ``apply_updates``."""
+  def step(params, state, tokens, apply):
+    extra = {"apply": apply} if host else {}
+    updates, state = tx.update(gradient(params, tokens), state, params, **extra)
+    return optax.apply_updates(params, updates), state
 
-  import accum_jax.flax
-
-  tx = accum_jax.accumulate(inner, every_k=EVERY_K)
-
-  def init(params):
-    return train_state.TrainState.create(apply_fn=None, params=params, tx=tx)
-
-  def step(state, params, grads):
-    del params
-    state = accum_jax.flax.apply_gradients(state, grads=grads)
-    return state, state.params
-
-  return init, step
+  return Row(tx.init, step, host)
 
 
-def rows(inner: optax.GradientTransformation) -> dict[str, tuple[Callable, Callable]]:
-  def acc(**kwargs):
-    return transformation(accum_jax.accumulate(inner, every_k=EVERY_K, **kwargs))
+def rows(inner: optax.GradientTransformation | None = None) -> dict[str, Row]:
+  inner = inner or optax.adamw(1e-4)
+
+  def acc(host, wrap=lambda x: x, **kwargs):
+    return transformation(accum_jax.accumulate(wrap(inner), every_k=EVERY_K, **kwargs), host)
 
   return {
-      "floor: hand-written lax.cond, inner branch kept": floor(inner),
-      "accumulate, skip_nonfinite=False": acc(skip_nonfinite=False),
-      "accumulate (default)": acc(),
-      "accumulate, layout='flat', skip_nonfinite=False": acc(layout="flat", skip_nonfinite=False),
-      "accumulate, layout='flat'": acc(layout="flat"),
-      "optax.MultiSteps": transformation(
-          optax.MultiSteps(inner, EVERY_K).gradient_transformation()),
-      "accum_jax.flax.apply_gradients (TrainState)": flax_train_state(inner),
+      ACC_FLOOR: acc_only_floor(),
+      FLOOR: interface_floor(inner),
+      HOST: acc(True),
+      "accumulate(optax.flatten(adamw)), host schedule": acc(True, optax.flatten),
+      "accumulate(adamw, layout='flat'), host schedule": acc(True, layout="flat"),
+      DEVICE: acc(False),
+      "accumulate(adamw, skip_nonfinite='call'), device schedule": acc(
+          False, skip_nonfinite="call"),
+      "accumulate(adamw, layout='flat'), device schedule": acc(False, layout="flat"),
+      "hand-written lax.cond accumulator": hand_written_cond(inner),
+      "plain AdamW step": transformation(inner),
+      MULTISTEPS: transformation(optax.MultiSteps(inner, EVERY_K).gradient_transformation()),
   }
 
 
 # ---------------------------------------------------------------------------
-# Counting and timing.
-
-
-def entry_counts(compiled: jax.stages.Compiled) -> dict[str, int]:
-  """Fusions and conditionals at the top level of a compiled program."""
-  text = compiled.as_text()
-  entry = text[text.index("ENTRY"):]
-  entry = entry[: entry.index("\n}")]
-  return {
-      "fusions": len(re.findall(r" fusion\(", entry)),
-      "conditionals": len(re.findall(r" conditional\(", entry)),
-  }
-
-
-def grads_for(params: Any) -> Any:
-  return jax.tree.map(lambda p: (p * 0.5).astype(p.dtype), params)
+# Compiling, counting and timing.
 
 
 def compile_rows(
-    params: Any, names: Any = None, inner: optax.GradientTransformation | None = None
-) -> dict[str, list[Any]]:
-  """``{row: [compiled micro-step, its state, its params]}``, for ``names`` (None: all),
-  with ``inner`` inside (AdamW by default)."""
+    params: Any, tokens: jax.Array, names: Any = None,
+    inner: optax.GradientTransformation | None = None,
+) -> dict[str, dict[str, Any]]:
+  """``{row: {"programs": {apply: compiled}, "carry": [params, state]}}`` for ``names``
+  (None: all). A host row has two programs (``apply`` False and True); the others one,
+  under ``None``."""
   built = {}
-  for name, (init, step) in rows(inner or optax.adamw(1e-3)).items():
+  for name, row in rows(inner).items():
     if names is not None and name not in names:
       continue
-    jitted = jax.jit(step, donate_argnums=0)
-    compiled = jitted.lower(init(params), params, grads_for(params)).compile()
-    built[name] = [compiled, init(params), jax.tree.map(jnp.copy, params)]
+    own = jax.tree.map(jnp.copy, params)
+    state = jax.jit(row.init)(own)
+    jitted = jax.jit(row.step, static_argnames="apply", donate_argnums=(0, 1))
+    applies = (False, True) if row.host else (None,)
+    programs = {a: jitted.lower(own, state, tokens, apply=a).compile() for a in applies}
+    built[name] = {"programs": programs, "carry": [own, state]}
   return built
 
 
-def measure(params: Any, rounds: int) -> list[dict[str, Any]]:
-  """Each row's compiled micro-step, counted, and timed against the floor."""
-  grads = grads_for(params)
-  built = compile_rows(params)
-  samples: dict[str, list[float]] = {name: [] for name in built}
+def micro_step_program(entry: dict[str, Any]) -> Any:
+  """The program of a call that only accumulates."""
+  return entry["programs"].get(False, entry["programs"].get(None))
+
+
+def _window(entry: dict[str, Any], tokens: jax.Array) -> list[float]:
+  """Seconds of each call of one window; the carry is updated."""
+  programs, carry = entry["programs"], entry["carry"]
+  times = []
+  for call in range(EVERY_K):
+    program = programs[call == EVERY_K - 1] if len(programs) == 2 else programs[None]
+    start = time.perf_counter()
+    carry[:] = jax.block_until_ready(program(*carry, tokens))
+    times.append(time.perf_counter() - start)
+  return times
+
+
+def measure(params: Any, tokens: jax.Array, rounds: int) -> list[dict[str, Any]]:
+  built = compile_rows(params, tokens)
+  names = list(built)
+  for name in names:
+    _window(built[name], tokens)  # the first calls allocate
+  windows: dict[str, list[list[float]]] = {name: [] for name in names}
   for r in range(rounds):
-    names = list(built)
-    names = names[r % len(names):] + names[: r % len(names)]  # rotate the order
-    for name in names:
-      compiled, state, p = built[name]
-      start = time.perf_counter()
-      state, p = compiled(state, p, grads)
-      jax.block_until_ready((state, p))
-      samples[name].append(time.perf_counter() - start)
-      built[name][1:] = [state, p]
-  base = samples[next(iter(built))]
+    for name in names[r % len(names):] + names[: r % len(names)]:  # rotate the order
+      windows[name].append(_window(built[name], tokens))
   results = []
-  for name, (compiled, *_) in built.items():
-    warm = slice(2, None)  # the first calls allocate
-    ratios = [t / b for t, b in zip(samples[name][warm], base[warm])]
+  for name in names:
+    micro = [1e3 * t for w in windows[name] for t in w[:-1]]
     results.append({
         "row": name,
-        "ms": 1e3 * statistics.median(samples[name][warm]),
-        "ratio_to_floor": statistics.median(ratios),
-        **entry_counts(compiled),
+        "micro_step_ms": statistics.median(micro),
+        "window_ms": statistics.median(1e3 * sum(w) for w in windows[name]),
+        "state_buffers": len(jax.tree.leaves(built[name]["carry"][1])),
+        **entry_counts(micro_step_program(built[name])),
+        "leaf_copies": sum(not shape.endswith("[]")
+                           for shape in copied_shapes(micro_step_program(built[name]))),
+        "window_samples_ms": [[1e3 * t for t in w] for w in windows[name]],
     })
-  floor_fusions = results[0]["fusions"]
+  return add_ratios(results)
+
+
+def add_ratios(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+  """Each row's micro-step against both floors (time, fusions) and its window against
+  ``MultiSteps``' (the ratio of medians of the rows' interleaved rounds)."""
+  by_name = {r["row"]: r for r in results}
   for row in results:
-    row["fusions_to_floor"] = row["fusions"] / floor_fusions
+    for key, floor in (("acc_floor", by_name[ACC_FLOOR]), ("floor", by_name[FLOOR])):
+      row[f"micro_step_to_{key}"] = row["micro_step_ms"] / floor["micro_step_ms"]
+      row[f"fusions_to_{key}"] = row["fusions"] / floor["fusions"]
+    row["window_to_multisteps"] = row["window_ms"] / by_name[MULTISTEPS]["window_ms"]
   return results
+
+
+def table(results: list[dict[str, Any]]) -> str:
+  return markdown_table(
+      ["row", "micro-step ms", "/ interface's floor", "/ acc-only floor", "window ms",
+       "window / MultiSteps", "fusions", "/ floor", "copies (of leaves)", "conditionals",
+       "state buffers"],
+      [[r["row"], f"{r['micro_step_ms']:.3f}", f"{r['micro_step_to_floor']:.2f}",
+        f"{r['micro_step_to_acc_floor']:.2f}", f"{r['window_ms']:.2f}",
+        f"{r['window_to_multisteps']:.2f}", r["fusions"], f"{r['fusions_to_floor']:.2f}",
+        f"{r['copies']} ({r['leaf_copies']})", r["conditionals"], r["state_buffers"]]
+       for r in results])
 
 
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true", help="a few rounds")
-  parser.add_argument("--rounds", type=int, default=200)
+  parser.add_argument("--rounds", type=int, default=40, help="windows of each row (default 40)")
   args = parser.parse_args(argv)
-  rounds = 8 if args.quick else args.rounds
-  trees = {"GPT-2-shaped, 148 leaves": gpt2_tree(), "1,000 leaves of 256": many_leaves()}
-  report: dict[str, Any] = {"environment": environment(), "rounds": rounds, "trees": {}}
-  for tree_name, params in trees.items():
-    results = measure(params, rounds)
-    report["trees"][tree_name] = results
-    print(f"\n{tree_name}: micro-step (AdamW inside, every_k={EVERY_K}), {rounds} rounds")
-    print(markdown_table(
-        ["row", "ms", "time / floor", "top-level fusions", "/ floor", "conditionals"],
-        [[r["row"], f"{r['ms']:.3f}", f"{r['ratio_to_floor']:.2f}", r["fusions"],
-          f"{r['fusions_to_floor']:.2f}", r["conditionals"]] for r in results]))
-  print(f"\nwrote {write_json('micro_step', report)}")
+  rounds = 3 if args.quick else args.rounds
+  params = gpt2_tree()
+  tokens = jax.random.randint(jax.random.key(1), (17,), 0, 128)
+  results = measure(params, tokens, rounds)
+  report = {"environment": environment(), "commit": git_commit(), "rounds": rounds,
+            "every_k": EVERY_K, "leaves": len(jax.tree.leaves(params)), "rows": results}
+  print(f"GPT-2-shaped, {report['leaves']} bfloat16 leaves, width 64: gradient of one"
+        f" sequence + update, one jit, donated; AdamW inside, every_k={EVERY_K}; {rounds}"
+        " windows of each row, interleaved")
+  print(table(results))
+  print(f"\nwrote {write_json('micro_step_quick' if args.quick else 'micro_step', report)}")
   return 0
 
 
