@@ -239,16 +239,20 @@ def test_the_cached_door_loops_with_a_known_trip_count_and_nothing_inside(on_mes
   assert host_syncs(program).per_run == 0, str(host_syncs(program))
 
 
-@pytest.mark.parametrize("options", [{}, {"gradient_noise": True}, {"skip_nonfinite": False}],
-                         ids=["defaults", "gradient_noise", "skip_nonfinite=False"])
-def test_accumulate_runs_at_most_one_conditional_per_call(options):
+@pytest.mark.parametrize("options", [{}, {"gradient_noise": True}, {"skip_nonfinite": False},
+                                     {"skip_nonfinite": "call"}],
+                         ids=["defaults", "gradient_noise", "skip_nonfinite=False",
+                              "skip_nonfinite='call'"])
+def test_accumulate_runs_one_conditional_per_call_and_none_when_the_host_decides(options):
   tx = accum_jax.accumulate(optax.adam(1e-3), every_k=N, **options)
   p = params()
   state = tx.init(p)
-
-  def update(grads, state, params):
-    return tx.update(grads, state, params)
-
-  program = compiled(update, p, state, p)
-  syncs = host_syncs(program)
-  assert not syncs.loops and syncs.per_run is not None and syncs.per_run <= 1, str(syncs)
+  device = host_syncs(compiled(lambda g, s, q: tx.update(g, s, q), p, state, p))
+  top = [c for c in device.conditionals if not c.in_branch]
+  nested = [c for c in device.conditionals if c.in_branch]
+  assert not device.loops and len(top) == 1, str(device)
+  # The default judges the window in the applying branch: once more on that call only.
+  assert len(nested) == (options.get("skip_nonfinite", "window") == "window"), str(device)
+  for apply in (False, True):
+    host = host_syncs(compiled(lambda g, s, q, a=apply: tx.update(g, s, q, apply=a), p, state, p))
+    assert not host.loops and host.per_run == 0, (apply, str(host))
