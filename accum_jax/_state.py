@@ -23,8 +23,8 @@ class AccumulationState(NamedTuple):
   """
 
   # The current window; see _core.Accumulator. After a window closes, `total`
-  # keeps its sum until the next call adds to zeros: read `acc_grads`, which
-  # is zeros while the window holds no call (count == 0).
+  # keeps what the window left in its buffers until the next call adds to zeros:
+  # read `acc_grads`, which is zeros while the window holds no call (count == 0).
   accumulator: _core.Accumulator
   optimizer_step: jax.Array  # shape=(), dtype=int32: updates emitted so far
   inner_opt_state: Any  # the inner optimizer's state, advanced only on updates
@@ -81,11 +81,13 @@ class AccumulationState(NamedTuple):
 def window_sum(acc: _core.Accumulator) -> Any:
   """The window's sum: ``acc.total``, or zeros while the window holds no call.
 
-  A closed window's sum stays in the accumulator until the next call, whose
-  addition starts from these zeros instead, in the same pass. Emptying it when
-  the window closes would cost every call that only accumulates a pass more (a
-  select after the conditional, whose emitting branch reads the window), or a
-  copy of it (XLA does not write a conditional's output in place).
+  A closed window leaves its buffers as they are until the next call, whose
+  addition starts from these zeros instead, in the same pass: the window's sum,
+  or, under the device schedule, the updates its conditional carried out in those
+  buffers. Emptying them when the window closes would cost every call that only
+  accumulates a pass more (a select after the conditional, whose emitting branch
+  reads the window), or a copy (XLA does not write a conditional's output in
+  place).
   """
   empty = jnp.asarray(acc.count) == 0
 

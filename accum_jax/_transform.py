@@ -632,9 +632,12 @@ def accumulate(
 ) -> optax.GradientTransformationExtraArgs:
   """Accumulates gradients over ``every_k`` calls, then runs ``inner`` once.
 
-  Each call adds its gradient to a running weighted sum. The ``every_k``-th call
-  hands the window's gradient to ``inner`` and returns its update; the other
-  calls return zeros and neither compute nor advance ``inner``.
+  Each call adds its gradient to a running weighted sum. The call that ends the
+  window hands the window's gradient to ``inner`` and returns its update; the
+  other calls return zeros and neither compute nor advance ``inner``. The host
+  says which call ends a window with ``update(..., apply=<Python bool>)``, static
+  in the jitted step (two programs; :class:`accum_jax.HostSchedule` gives the
+  flags); left out, the device counts ``every_k`` in one program.
 
   See the guide: :doc:`/two_doors`.
 
@@ -655,8 +658,10 @@ def accumulate(
       :doc:`/guides/leaf_reductions`.
     accumulator_dtype: the least precision of the running sum (float32 by
       default); None keeps the gradients' dtype.
-    skip_nonfinite: skip, and count in ``state.num_skipped``, a call whose
-      gradient or ``value`` holds NaN or Inf.
+    skip_nonfinite: ``"window"`` (default): a window whose sum (or ``value``)
+      holds NaN or Inf when it is applied is skipped whole, its calls counted in
+      ``state.num_skipped``, at no cost per call; ``"call"``: each call is
+      checked (a reduction) and a bad one skipped alone; ``False``: no check.
     gradient_noise: estimate the gradient noise from the calls' gradients, read
       with :func:`accum_jax.gradient_noise`.
     layout: ``"tree"`` (default) keeps the window's sum as the gradient's tree,
@@ -668,16 +673,18 @@ def accumulate(
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose ``update(grads, state,
-    params=None, *, weight=None, flush=False, **extra_args)`` takes a scalar
-    ``weight`` for this call and ``flush`` to update now with what the window
-    holds; other keyword arguments reach ``inner`` on the updating call
-    (``value`` and ``grad`` as the window's). Call it under ``jax.jit``:
-    eagerly, every call compiles anew.
+    params=None, *, weight=None, flush=False, apply=None, **extra_args)`` takes a
+    scalar ``weight`` for this call; ``apply`` (a Python bool) for the host to end
+    the window (``True``) or only add (``False``); without it, ``flush`` to update
+    now with what the window holds. Other keyword arguments reach ``inner`` on the
+    updating call (``value`` and ``grad`` as the window's). Call it under
+    ``jax.jit``: eagerly, every call compiles anew.
 
   Raises:
     ValueError: for bad options; at trace time, for gradients whose tree or
       shapes differ from the parameters', a non-scalar ``weight`` or ``value``,
-      or a ``flush`` that is not a bool scalar.
+      a ``flush`` that is not a bool scalar, or an ``apply`` that is not a
+      Python bool (or comes with ``flush=True``).
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, accum_jax
