@@ -455,53 +455,59 @@ def _carrier(update_shapes: Any, call: _Call, acc: _core.Accumulator) -> tuple[A
 
 
 def _step_inner(options, call, state, window) -> _Inner:
-  """The updates, the inner state and the last window's noise, after this call.
-
-  The host decided (``call.apply`` a Python bool): ``False`` returns constant
-  zeros and the inner state as it is, with nothing of the inner optimizer in the
-  program; ``True`` runs the inner update, with no conditional.
-
-  The device decides (``call.apply`` None): a conditional that every backend
-  keeps, so that the inner update runs on the emitting call alone. XLA:GPU
-  replaces a two-branch conditional whose branches hold only cheap operations
-  (elementwise, broadcasts, reductions: Adam's whole update) by selects, and then
-  runs both branches on every call; it keeps one whose other branch only passes
-  its operands through (:func:`accum_jax.testing.gpu_conditionals` predicts
-  which). So the skip branch here returns its operands as they are: the inner
-  state, the last window's noise, and a value of the updates' shapes
-  (:func:`_carrier`); the zero updates are a ``where`` after the conditional
-  (:func:`_zero_unless`), and the window's restart is one in :func:`_next_state`.
-  """
+  """The updates, the inner state and the last window's noise, after this call:
+  decided by the host (:func:`_host_step`) or by the device (:func:`_device_step`)."""
   # The shapes and dtypes of the inner update (an abstract trace; nothing is computed).
   update_shapes, _ = jax.eval_shape(
       functools.partial(_inner_update, options, call),
       state.inner_opt_state, window.accumulator, window.value_accumulator,
   )
-  held = _held(update_shapes, call.grads)  # the updates' dtypes, as the caller gets them
-  if call.apply is False:
+  step = _device_step if call.apply is None else _host_step
+  return step(options, call, state, window, update_shapes)
+
+
+def _host_step(options, call, state, window, update_shapes) -> _Inner:
+  """``apply=False``: constant zeros and the inner state as it is, with nothing of
+  the inner optimizer in the program. ``apply=True``: the inner update, with no
+  conditional."""
+  if not call.apply:
     zeros = _held(update_shapes, call.grads, make=_constant_zeros)
     return _Inner(zeros, state.inner_opt_state, state.last_noise, False)
-  operands = (state.inner_opt_state, window.accumulator, window.value_accumulator,
-              state.last_noise)
-  emit = functools.partial(_emit, options, call, window)
-  if call.apply is True:
-    updates, inner_state, last_noise, applied = emit(*operands, held)
-    return _Inner(_zero_unless(applied, updates), inner_state, last_noise, applied)
+  updates, inner_state, last_noise, applied = _emit(
+      options, call, window, state.inner_opt_state, window.accumulator,
+      window.value_accumulator, state.last_noise, _held(update_shapes, call.grads))
+  return _Inner(_zero_unless(applied, updates), inner_state, last_noise, applied)
 
+
+def _device_step(options, call, state, window, update_shapes) -> _Inner:
+  """The inner update under a conditional that every backend keeps, so that it runs
+  on the emitting call alone.
+
+  XLA:GPU replaces a two-branch conditional whose branches hold only cheap
+  operations (elementwise, broadcasts, reductions: Adam's whole update) by selects,
+  and then runs both branches on every call; it keeps one whose other branch only
+  passes its operands through (:func:`accum_jax.testing.gpu_conditionals` predicts
+  which). So the skip branch here returns its operands as they are: the inner
+  state, the last window's noise, and a value of the updates' shapes
+  (:func:`_carrier`); the zero updates are a ``where`` after the conditional
+  (:func:`_zero_unless`), and the window's restart is one in :func:`_next_state`.
+  """
   carrier, is_sum = _carrier(update_shapes, call, window.accumulator)
+
+  def emit(inner_state, acc, value_window, last_noise, carrier, not_applied):
+    del not_applied
+    return _emit(options, call, window, inner_state, acc, value_window, last_noise, carrier)
 
   def hold(inner_state, acc, value_window, last_noise, carrier, not_applied):
     del acc, value_window
     return carrier, inner_state, last_noise, not_applied
 
-  def emit_with(*operands):
-    return emit(*operands[:-1])
-
   # `window.apply` (False where hold runs) passes through as the flag: a
   # constant made in the branch would make XLA:GPU turn the conditional into selects.
   out, inner_state, last_noise, applied = jax.lax.cond(
-      window.apply, emit_with, hold, *operands, carrier, window.apply)
-  updates = _zero_unless(applied, _cast_like(out, held))
+      window.apply, emit, hold, state.inner_opt_state, window.accumulator,
+      window.value_accumulator, state.last_noise, carrier, window.apply)
+  updates = _zero_unless(applied, _cast_like(out, _held(update_shapes, call.grads)))
   return _Inner(updates, inner_state, last_noise, applied, out if is_sum else None)
 
 
