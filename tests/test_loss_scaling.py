@@ -161,9 +161,11 @@ def test_float16_arithmetic_with_the_default_skip_is_refused_and_nothing_else(
     assert grads["w"].dtype == jnp.float32
 
 
-def test_across_calls_an_overflowing_call_lowers_the_scale_and_is_skipped():
-  """The recipe per call: unscale, adjust, and let accumulate skip the bad call."""
-  opt = accum_jax.accumulate(optax.sgd(LR), every_k=N)
+@pytest.mark.parametrize("skip_nonfinite", ["window", "call"])
+def test_across_calls_an_overflowing_call_lowers_the_scale_and_is_skipped(skip_nonfinite):
+  """The recipe per call: unscale, adjust, and let accumulate skip the bad window
+  (as PyTorch's GradScaler skips the step) or, with "call", the bad call alone."""
+  opt = accum_jax.accumulate(optax.sgd(LR), every_k=N, skip_nonfinite=skip_nonfinite)
   grad_fn = jax.grad(scaled_loss_fn)
 
   @jax.jit
@@ -180,4 +182,8 @@ def test_across_calls_an_overflowing_call_lowers_the_scale_and_is_skipped():
     rows = slice(4 * i, 4 * (i + 1))
     params, opt_state, loss_scale = call(params, opt_state, loss_scale, x[rows], y[rows])
   assert float(loss_scale.loss_scale) == 2**14  # the overflow of call 2 reached the scaler
-  assert int(opt_state.num_skipped) == 1  # and the window averaged the 3 others
+  if skip_nonfinite == "window":  # the window is skipped whole: no update, N calls counted
+    assert int(opt_state.num_skipped) == N and int(opt_state.optimizer_step) == 0
+    np.testing.assert_array_equal(params["w"], normal(2, (4, 3), 0.5))
+  else:  # the bad call alone, not counted: the window waits for one more call
+    assert int(opt_state.num_skipped) == 1 and int(opt_state.mini_step) == N - 1
