@@ -458,6 +458,9 @@ def accumulate_private(
       _UNBOUNDED if every_k is None else every_k,
       reduction="sum",
       accumulator_dtype=accumulator_dtype,
+      # A bad physical batch is dropped alone: the logical batch keeps the others,
+      # and its noise is drawn once, as the accountant counts it.
+      skip_nonfinite="call",
   )
 
   def init_fn(params):

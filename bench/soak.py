@@ -13,10 +13,12 @@ Checked and printed:
 - compiles: the jitted chunk's cache size (1: the state never changes type);
 - drift: the largest relative deviation of the updates and of the parameters from
   the float64 reference (float32 round-off, not growing with the number of steps);
-- skips: ``state.num_skipped`` against the number of injections (zero-weight padding
-  steps are not skips: a zero weight adds nothing, NaN or not);
-- nothing lost: the weights of the applied windows sum to the sum of all the finite
-  weights (the last step flushes, so no window is left open).
+- skips: ``state.num_skipped`` against the reference's: under the default
+  ``skip_nonfinite="window"`` the calls of each window whose sum is not finite, under
+  ``"call"`` each injection (zero-weight padding steps are not skips: a zero weight
+  adds nothing, NaN or not);
+- nothing lost: the weights of the applied windows sum to the reference's (the last
+  step flushes, so no window is left open).
 
 Run from the repository root::
 
@@ -66,13 +68,14 @@ class Report(NamedTuple):
   float32_model_update_max_rel_deviation: float  # the same, for the float32 NumPy model
   float32_model_params_max_rel_deviation: float
   num_skipped: int
+  reference_num_skipped: int  # calls the reference skipped (a window's, or each bad one)
   injections: int
   padding_steps: int
   flushes: int
   empty_windows: int
   reference_empty_windows: int
   applied_weight: float
-  finite_weight: float
+  reference_applied_weight: float
   compile_seconds: float
   run_seconds: float
   reference_seconds: float
@@ -139,13 +142,16 @@ def make_chunk_fn(opt: optax.GradientTransformation):
   return run_chunk
 
 
-def reference(stream: Stream, params: Any, every_k: int, chunk: int, dtype: Any = np.float64):
+def reference(stream: Stream, params: Any, every_k: int, chunk: int, dtype: Any = np.float64,
+              skip_nonfinite: str = "window"):
   """accumulate + Adam in ``dtype`` (float64), written out call by call.
 
   With ``dtype=np.float32`` it is a baseline: how far float32 arithmetic alone strays
-  from float64 on the same stream. Returns the per-step updates (zeros where none),
-  whether each step updated, the parameters at each chunk's end, the weights of the
-  applied windows, and the number of windows that ended empty.
+  from float64 on the same stream. ``skip_nonfinite``: "window" skips a window whose
+  sum is not finite when it ends, "call" a bad call alone. Returns the per-step
+  updates (zeros where none), whether each step updated, the parameters at each
+  chunk's end, the weights of the applied windows, the number of windows that ended
+  empty, and the number of calls skipped.
   """
   leaves, treedef = jax.tree.flatten(stream.grads)
   steps = len(stream.weights)
@@ -153,7 +159,7 @@ def reference(stream: Stream, params: Any, every_k: int, chunk: int, dtype: Any 
   mu = [np.zeros_like(x) for x in p]
   nu = [np.zeros_like(x) for x in p]
   total = [np.zeros_like(x) for x in p]
-  weight, count, adam_count, empty_windows = dtype(0), 0, 0, 0
+  weight, count, adam_count, empty_windows, skipped, poisoned = dtype(0), 0, 0, 0, 0, False
   updates = [np.zeros((steps, *x.shape), dtype) for x in p]
   updated = np.zeros(steps, bool)
   params_at_chunk_end, applied_weights = [], []
@@ -161,15 +167,18 @@ def reference(stream: Stream, params: Any, every_k: int, chunk: int, dtype: Any 
     g = [leaf[t].astype(dtype) for leaf in leaves]
     w = dtype(stream.weights[t])
     finite = all(np.isfinite(x).all() for x in g)
-    if w > 0 and not finite:
-      pass  # skipped: not added, not counted
+    if w > 0 and not finite and skip_nonfinite == "call":
+      skipped += 1  # skipped: not added, not counted
     else:
       count += 1
-      if w > 0:
+      if w > 0:  # a zero weight adds nothing, NaN or not
         total = [s + w * x for s, x in zip(total, g)]
         weight += w
+        poisoned = poisoned or not finite
     if count >= every_k or stream.flushes[t]:
-      if weight > 0:
+      if poisoned:  # skip_nonfinite="window": the window is skipped whole
+        skipped += count
+      elif weight > 0:
         # NumPy keeps float32 with Python-float coefficients (NEP 50).
         mean = [s / weight for s in total]
         adam_count += 1
@@ -187,7 +196,7 @@ def reference(stream: Stream, params: Any, every_k: int, chunk: int, dtype: Any 
       elif count > 0:
         empty_windows += 1
       total = [np.zeros_like(x) for x in p]
-      weight, count = dtype(0), 0
+      weight, count, poisoned = dtype(0), 0, False
     if (t + 1) % chunk == 0:
       params_at_chunk_end.append(jax.tree.unflatten(treedef, [x.copy() for x in p]))
   return (
@@ -196,6 +205,7 @@ def reference(stream: Stream, params: Any, every_k: int, chunk: int, dtype: Any 
       params_at_chunk_end,
       applied_weights,
       empty_windows,
+      skipped,
   )
 
 
@@ -205,13 +215,15 @@ def _max_rel(actual: list[np.ndarray], expected: list[np.ndarray]) -> float:
   return deviation / scale
 
 
-def run(steps: int = 10_000, every_k: int = 4, chunk: int = 250, seed: int = 0) -> Report:
+def run(steps: int = 10_000, every_k: int = 4, chunk: int = 250, seed: int = 0,
+        skip_nonfinite: str = "window") -> Report:
   """Runs the soak and its reference; see the module docstring."""
   if steps % chunk:
     raise ValueError(f"steps={steps} must be a multiple of chunk={chunk}.")
   stream = make_stream(steps, seed)
   params = jax.tree.map(jnp.asarray, initial_params())
-  opt = accum_jax.accumulate(optax.adam(LEARNING_RATE, b1=B1, b2=B2, eps=EPS), every_k=every_k)
+  opt = accum_jax.accumulate(optax.adam(LEARNING_RATE, b1=B1, b2=B2, eps=EPS), every_k=every_k,
+                             skip_nonfinite=skip_nonfinite)
   state = opt.init(params)
   run_chunk = make_chunk_fn(opt)
 
@@ -239,13 +251,13 @@ def run(steps: int = 10_000, every_k: int = 4, chunk: int = 250, seed: int = 0) 
   applied_weight = np.concatenate([np.asarray(r[2], np.float64) for r in records])
 
   start = time.perf_counter()
-  ref_updates, ref_updated, ref_params, ref_weights, ref_empty = reference(
-      stream, initial_params(), every_k, chunk
+  ref_updates, ref_updated, ref_params, ref_weights, ref_empty, ref_skipped = reference(
+      stream, initial_params(), every_k, chunk, skip_nonfinite=skip_nonfinite
   )
   reference_seconds = time.perf_counter() - start
 
-  f32_updates, f32_updated, f32_params, _, _ = reference(
-      stream, initial_params(), every_k, chunk, np.float32
+  f32_updates, f32_updated, f32_params, *_ = reference(
+      stream, initial_params(), every_k, chunk, np.float32, skip_nonfinite
   )
 
   def update_deviation(actual, actual_updated):
@@ -278,13 +290,14 @@ def run(steps: int = 10_000, every_k: int = 4, chunk: int = 250, seed: int = 0) 
       float32_model_update_max_rel_deviation=update_deviation(f32_updates, f32_updated),
       float32_model_params_max_rel_deviation=max(params_deviation(f32_params)),
       num_skipped=int(state.num_skipped),
+      reference_num_skipped=ref_skipped,
       injections=int(stream.injected.sum()),
       padding_steps=int(stream.padding.sum()),
       flushes=int(stream.flushes.sum()),
       empty_windows=int(state.num_empty_windows),
       reference_empty_windows=ref_empty,
       applied_weight=float(applied_weight.sum()),
-      finite_weight=float(stream.weights[~stream.injected].astype(np.float64).sum()),
+      reference_applied_weight=float(sum(ref_weights)),
       compile_seconds=compile_seconds,
       run_seconds=run_seconds,
       reference_seconds=reference_seconds,
@@ -316,13 +329,14 @@ def main() -> None:
         f" last chunk {report.params_rel_deviation_last_chunk:.3e})")
   print(f"float32 NumPy model, same figures: {report.float32_model_update_max_rel_deviation:.3e},"
         f" {report.float32_model_params_max_rel_deviation:.3e}")
-  print(f"skipped / injected NaN-Inf:       {report.num_skipped} / {report.injections}"
-        f" (plus {report.padding_steps} zero-weight NaN padding steps, not skips)")
+  print(f"skipped calls / reference:        {report.num_skipped} /"
+        f" {report.reference_num_skipped} ({report.injections} NaN-Inf injected, and"
+        f" {report.padding_steps} zero-weight NaN padding steps, not skips)")
   print(f"flushes:                          {report.flushes}")
   print(f"empty windows:                    {report.empty_windows}"
         f" (reference {report.reference_empty_windows})")
-  print(f"weight applied / finite weight:   {report.applied_weight:.6f}"
-        f" / {report.finite_weight:.6f}")
+  print(f"weight applied / reference:       {report.applied_weight:.6f}"
+        f" / {report.reference_applied_weight:.6f}")
   print(f"compile {report.compile_seconds:.2f} s, run {report.run_seconds:.2f} s"
         f" ({report.steps / report.run_seconds:,.0f} micro-steps/s),"
         f" float64 reference {report.reference_seconds:.2f} s, wall {wall:.2f} s")
