@@ -689,12 +689,14 @@ def test_with_microbatch_skips_when_every_one_is_skipped_the_loss_and_gradients_
                                     skip_nonfinite="microbatch")(params, batch)
   assert np.isnan(value) and all(np.isnan(g).all() for g in jax.tree.leaves(grads))
   assert int(info.num_skipped) == 4 and float(info.total_weight) == 0.0
-  # So accumulate skips the step as well, and counts it.
+  # So accumulate skips the window that holds it, whole, and counts its calls.
   opt = accum_jax.accumulate(optax.sgd(1.0), every_k=2)
   state = opt.init(params)
-  updates, state = jax.jit(opt.update)(grads, state, params)
-  assert int(state.num_skipped) == 1 and int(state.mini_step) == 0
-  tree_allclose(updates, jax.tree.map(np.zeros_like, params))
+  finite = jax.tree.map(np.ones_like, params)
+  for call in (grads, finite):
+    updates, state = jax.jit(opt.update)(call, state, params)
+    tree_allclose(updates, jax.tree.map(np.zeros_like, params))
+  assert int(state.num_skipped) == 2 and int(accum_jax.optimizer_step(state)) == 0
 
 
 @pytest.mark.parametrize("bad_value", [np.nan, np.inf], ids=["nan", "inf"])
