@@ -15,7 +15,7 @@ the k-th call only. Timings are not checked: the machine is shared.
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import os
 import subprocess
@@ -28,14 +28,11 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
 SCRIPT = BENCH / "bench_gpu.py"
 
 
-def _load():
+def _bench(name: str):
+  """A module of bench/ (``gpu_model``, ``gpu_step``, ...), imported as bench_gpu.py imports it."""
   if str(BENCH) not in sys.path:
-    sys.path.insert(0, str(BENCH))  # the bench modules import _common as a sibling
-  spec = importlib.util.spec_from_file_location("bench_gpu", SCRIPT)
-  module = importlib.util.module_from_spec(spec)
-  sys.modules[spec.name] = module
-  spec.loader.exec_module(module)
-  return module
+    sys.path.insert(0, str(BENCH))  # the bench modules import _common and each other as siblings
+  return importlib.import_module(name)
 
 
 def test_the_tiny_run_writes_its_rows_and_matches_the_scan() -> None:
@@ -90,20 +87,20 @@ def test_the_tiny_run_writes_its_rows_and_matches_the_scan() -> None:
 def test_a_configuration_out_of_memory_is_recorded_and_the_others_run(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-  # The module sets this (if unset) for itself and its workers; undone after the test.
-  monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-  bench = _load()
+  gpu_model, gpu_methods, gpu_step = _bench("gpu_model"), _bench("gpu_methods"), _bench("gpu_step")
+  gpu_failures, gpu_tables, gpu_budget = (
+      _bench("gpu_failures"), _bench("gpu_tables"), _bench("gpu_budget"))
 
   def out_of_memory(loss, num_microbatches):
     raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1 bytes.")
 
-  monkeypatch.setitem(bench.METHODS, bench.FULL, out_of_memory)
+  monkeypatch.setitem(gpu_methods.METHODS, gpu_methods.FULL, out_of_memory)
   # Smaller than --tiny: only the bookkeeping is under test.
-  config = bench.Config(layers=1, width=16, heads=2, mlp=32, vocab=32, context=8)
-  graphdef, params = bench.make_model(config, "xla")
-  rows = bench.measure_steps(
-      [(2, 1)], bench.make_loss(graphdef), params, config, rounds=1,
-      budget=bench.Budget(0), on_group=lambda: None,
+  config = gpu_model.Config(layers=1, width=16, heads=2, mlp=32, vocab=32, context=8)
+  graphdef, params = gpu_model.make_model(config, "xla")
+  rows = gpu_step.measure_steps(
+      [(2, 1)], gpu_model.make_loss(graphdef), params, config, rounds=1,
+      budget=gpu_budget.Budget(0), on_group=lambda: None,
   )
   row = rows[2, 1]
   assert row["methods"]["full batch"]["status"] == "OOM"
@@ -111,11 +108,12 @@ def test_a_configuration_out_of_memory_is_recorded_and_the_others_run(
   for method in ("accum_jax", "lax.scan"):
     assert row["methods"][method]["status"] == "ok" and row["methods"][method]["step_ms"] > 0
   assert row["exact"]["match"] and "vs_full" not in row
-  time_table, _ = bench.step_tables(
+  time_table, _ = gpu_tables.step_tables(
       {"flops_per_token": 1.0, "model": {"context": config.context}}, [row]
   )
   assert "| OOM " in time_table
-  assert bench.is_oom(RuntimeError("... out of memory ...")) and not bench.is_oom(ValueError("x"))
+  assert gpu_failures.is_oom(RuntimeError("... out of memory ..."))
+  assert not gpu_failures.is_oom(ValueError("x"))
 
 
 def _legacy_run() -> dict:
@@ -131,41 +129,41 @@ def _legacy_run() -> dict:
   }
 
 
-def test_the_quick_check_puts_both_doors_in_one_table_beside_an_earlier_run(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-  monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-  bench = _load()
+def test_the_quick_check_puts_both_doors_in_one_table_beside_an_earlier_run() -> None:
+  gpu_model, gpu_methods, gpu_step = _bench("gpu_model"), _bench("gpu_methods"), _bench("gpu_step")
+  gpu_budget, gpu_across, gpu_records = (
+      _bench("gpu_budget"), _bench("gpu_across"), _bench("gpu_records"))
   # The quick check's code at the smallest size: what runs on the GPU, in seconds here.
-  config = bench.Config(layers=1, width=16, heads=2, mlp=32, vocab=32, context=8)
-  graphdef, params = bench.make_model(config, "xla")
-  loss = bench.make_loss(graphdef)
-  rows = bench.measure_steps(
-      [(2, 1)], loss, params, config, rounds=1, budget=bench.Budget(0),
-      on_group=lambda: None, methods=bench.QUICK_METHODS, warmup_compile=True,
+  config = gpu_model.Config(layers=1, width=16, heads=2, mlp=32, vocab=32, context=8)
+  graphdef, params = gpu_model.make_model(config, "xla")
+  loss = gpu_model.make_loss(graphdef)
+  rows = gpu_step.measure_steps(
+      [(2, 1)], loss, params, config, rounds=1, budget=gpu_budget.Budget(0),
+      on_group=lambda: None, methods=gpu_methods.QUICK_METHODS, warmup_compile=True,
   )
   row = rows[2, 1]
-  for method in bench.QUICK_METHODS:
+  for method in gpu_methods.QUICK_METHODS:
     entry = row["methods"][method]
     assert entry["status"] == "ok" and entry["step_ms"] > 0 and entry["compile_s"] > 0, entry
-  assert set(row["checks"]) == {bench.DEFAULT, bench.MICROBATCH, bench.NO_SKIP}
+  assert set(row["checks"]) == {
+      gpu_methods.DEFAULT, gpu_methods.MICROBATCH, gpu_methods.NO_SKIP}
   assert all(c["match"] for c in row["checks"].values()), row["checks"]
   # Three of the rows (the others differ only in the optimizer inside): what the
   # table below reads, and a floor.
   names = ("floor: one f32 vector acc += g", "optax.MultiSteps(adamw)", "accumulate(adamw), tree")
-  assert set(names) <= set(bench.across_candidates(2))
-  across = bench.measure_quick_across(params, loss, bench.make_tokens(1, config), every_k=2,
-                                      rounds=1, budget=bench.Budget(0), combined=False,
-                                      names=names)
+  assert set(names) <= set(gpu_across.across_candidates(2))
+  across = gpu_across.measure_quick_across(
+      params, loss, gpu_model.make_tokens(1, config), every_k=2, rounds=1,
+      budget=gpu_budget.Budget(0), combined=False, names=names)
   assert set(across) == set(names)
   for name, entry in across.items():
     assert entry["status"] == "ok" and entry["micro_step_ms"] > 0, (name, entry)
     assert len(entry["call_ms_samples"]) == 1 and len(entry["call_ms_samples"][0]) == 2
 
-  records = bench.records_of({"results": [row], "quick_across": {"standalone": across}})
-  before = bench.records_of(_legacy_run())
+  records = gpu_records.records_of({"results": [row], "quick_across": {"standalone": across}})
+  before = gpu_records.records_of(_legacy_run())
   table = {tuple(c.strip() for c in line.strip("|").split("|")[:3]): line
-           for line in bench.one_table(records, before).splitlines()[2:]}
+           for line in gpu_records.one_table(records, before).splitlines()[2:]}
   cells = lambda key: [c.strip() for c in table[key].strip("|").split("|")]  # noqa: E731
   # Today's default beside the default of then, each as a ratio to its own scan.
   default = cells(("inside a step", "2x1", "default"))
@@ -177,18 +175,18 @@ def test_the_quick_check_puts_both_doors_in_one_table_beside_an_earlier_run(
   assert cells(("across calls", "window of 8", "accumulate(adamw), tree"))[-2:] == [
       "90.000", "1.125"]
   assert cells(("across calls", "window of 8", "optax.MultiSteps(adamw)"))[4] == "1.000"
-  figures = {g[0]: g for g in bench.goals(records)}
+  figures = {g[0]: g for g in gpu_records.goals(records)}
   assert "default / lax.scan step time, 2x1" in figures
-  assert bench.source_label(_legacy_run(), "/x/h200-bench_gpu-d1c9549.json") == (
+  assert gpu_records.source_label(_legacy_run(), "/x/h200-bench_gpu-d1c9549.json") == (
       "NVIDIA H200, jax 0.11.2, at d1c9549")
 
 
 def test_the_hand_written_floor_updates_on_the_kth_call_only() -> None:
-  bench = _load()
+  gpu_across = _bench("gpu_across")
   import jax.numpy as jnp
   import optax
 
-  floor = bench._hand_written_cond(optax.sgd(1.0), every_k=2)
+  floor = gpu_across._hand_written_cond(optax.sgd(1.0), every_k=2)
   params = {"w": jnp.ones(3, jnp.bfloat16), "b": jnp.zeros((), jnp.bfloat16)}
   grads = {"w": jnp.full(3, 0.5, jnp.bfloat16), "b": jnp.ones((), jnp.bfloat16)}
   state = floor.init(params)

@@ -1,0 +1,31 @@
+"""The time budget of bench_gpu.py: each phase starts new work until its share is spent.
+
+A configuration that starts before its phase's deadline runs to its end, so the
+run ends, with its JSON written, a configuration's time after the budget at most.
+"""
+
+from __future__ import annotations
+
+import time
+
+
+class Budget:
+  """Deadlines: each phase may start new work until its share of ``seconds`` is spent.
+
+  ``seconds`` 0 means no limit.
+  """
+
+  # Cumulative shares of the budget at which the phases stop starting new work.
+  SHARES = {"memory": 0.4, "step": 0.75, "across_calls": 0.85, "fit": 1.0}
+  # --quick: the inside-step pairs, then across calls, both doors in one table.
+  QUICK_SHARES = {"step": 0.5, "across_calls": 0.93}
+
+  def __init__(self, seconds: float, shares: dict[str, float] | None = None):
+    self.start = time.perf_counter()
+    self.seconds = seconds
+    self.shares = shares or self.SHARES
+
+  def left(self, phase: str) -> bool:
+    if not self.seconds:
+      return True
+    return time.perf_counter() - self.start < self.seconds * self.shares[phase]

@@ -1,0 +1,146 @@
+"""Both doors in one table: --quick's report, and the before column of --compare.
+
+A run's JSON, of this script's version or an earlier one, is read as records
+(door, case, row, reference row, time, compile time, static memory); each record's
+ratios are to its reference's figures in the same run. :func:`goals` picks the
+figures the issues set goals for.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from _common import markdown_table
+from gpu_across import HAND_COND, MULTISTEPS, MULTISTEPS_ADAMW, PER_LEAF, accumulate_row
+from gpu_methods import ACCUM, DEFAULT, FULL, SCAN
+
+_MIB = 2**20
+
+INSIDE, ACROSS = "inside a step", "across calls"
+# Per across-calls case: the reference of its ratios.
+ACROSS_CASES = {
+    "micro-step": ("micro_step_ms", HAND_COND),
+    "window of 8": ("window_ms", MULTISTEPS_ADAMW),
+}
+# Method names of earlier JSON (bench_gpu.py before --quick) in today's rows.
+LEGACY_ROWS = {ACCUM: DEFAULT, SCAN: SCAN, FULL: FULL}
+
+
+def _record(door: str, case: str, row: str, ref: str, entry: dict[str, Any],
+            ms_key: str) -> dict[str, Any]:
+  xla = entry.get("xla") or {}
+  memory = (xla["temp_bytes"] + xla["output_bytes"]
+            if "temp_bytes" in xla and "output_bytes" in xla else None)
+  return {"door": door, "case": case, "row": row, "ref": ref, "ms": entry.get(ms_key),
+          "compile_s": entry.get("compile_s"), "memory_bytes": memory,
+          "status": entry.get("status", "-")}
+
+
+def records_of(output: dict[str, Any]) -> list[dict[str, Any]]:
+  """The rows of the one table, from a run's JSON, this script's of any version."""
+  records = []
+  for row in output.get("results", []):
+    case = f"{row['num_microbatches']}x{row['micro']}"
+    for method, entry in row.get("methods", {}).items():
+      records.append(_record(INSIDE, case, LEGACY_ROWS.get(method, method), SCAN, entry,
+                             "step_ms"))
+  for form, results in (output.get("quick_across") or {}).items():
+    suffix = "" if form == "standalone" else " + gradient"
+    for name, entry in results.items():
+      for case, (key, ref) in ACROSS_CASES.items():
+        records.append(_record(ACROSS, case + suffix, name, ref, entry, key))
+  for entry in output.get("across_calls") or []:  # the full run's accumulate / MultiSteps
+    if entry.get("status") != "ok" or entry["every_k"] != 8:
+      continue
+    for name, row in ((ACCUM, accumulate_row("adamw", "tree")), (MULTISTEPS, MULTISTEPS_ADAMW)):
+      for case, (key, ref) in ACROSS_CASES.items():
+        records.append(_record(ACROSS, case, row, ref, {"status": "ok", **entry[name]}, key))
+  return records
+
+
+def _ratios(records: list[dict[str, Any]]) -> dict[tuple[str, str, str], dict[str, Any]]:
+  """Records by (door, case, row), each with its ratios to its reference's figures."""
+  by_key = {(r["door"], r["case"], r["row"]): dict(r) for r in records}
+  for (door, case, _), r in by_key.items():
+    ref = by_key.get((door, case, r["ref"]), {})
+    for field in ("ms", "compile_s", "memory_bytes"):
+      a, b = r.get(field), ref.get(field)
+      r[f"{field}_ratio"] = a / b if a is not None and b else None
+  return by_key
+
+
+def source_label(output: dict[str, Any], path: str | None = None) -> str:
+  """The card, JAX and commit a run was measured with."""
+  config = output.get("config", {})
+  commit = config.get("commit")
+  if not commit and path:
+    found = re.search(r"-([0-9a-f]{7,40})\.json$", path)
+    commit = found.group(1) if found else None
+  jax_version = config.get("environment", {}).get("jax", "?")
+  return f"{config.get('device_kind', '?')}, jax {jax_version}, at {commit or 'unknown commit'}"
+
+
+def _cell(value: Any, scale: float = 1.0, digits: int = 2) -> str:
+  return "-" if value is None else f"{value * scale:.{digits}f}"
+
+
+def one_table(records: list[dict[str, Any]], before: list[dict[str, Any]] | None = None) -> str:
+  """Both doors in one table; with ``before``, its time and ratio beside each row it has."""
+  now = _ratios(records)
+  then = _ratios(before) if before else {}
+  rows = []
+  for key, r in now.items():
+    door, case, row = key
+    ok = r["ms"] is not None
+    cells = [door, case, row, _cell(r["ms"], digits=3) if ok else r["status"].split(":")[0],
+             _cell(r["ms_ratio"], digits=3), _cell(r["compile_s"]),
+             _cell(r["compile_s_ratio"]), _cell(r["memory_bytes"], 1 / _MIB, 1),
+             _cell(r["memory_bytes_ratio"])]
+    if before is not None:
+      old = then.get(key, {})
+      cells += [_cell(old.get("ms"), digits=3), _cell(old.get("ms_ratio"), digits=3)]
+    rows.append(cells)
+  headers = ["door", "case", "row", "ms", "x ref", "compile s", "x ref", "temp + output MiB",
+             "x ref"]
+  if before is not None:
+    headers += ["before ms", "before x ref"]
+  return markdown_table(headers, rows)
+
+
+def goals(records: list[dict[str, Any]]) -> list[list[str]]:
+  """The figures issues 27 and 28 set goals for: (figure, measured, goal)."""
+  by_key = _ratios(records)
+  out = []
+  for (door, case, row), r in by_key.items():
+    if door == INSIDE and row == DEFAULT:
+      out.append([f"default / lax.scan step time, {case}", _cell(r["ms_ratio"], digits=3),
+                  "<= 1.02"])
+      out.append([f"default / lax.scan compile time, {case}", _cell(r["compile_s_ratio"]),
+                  "<= 1.3"])
+  for suffix in ("", " + gradient"):
+    flat = by_key.get((ACROSS, "micro-step" + suffix, accumulate_row("adamw", "flat")), {})
+    floor = by_key.get((ACROSS, "micro-step" + suffix, PER_LEAF), {})
+    ratio = flat["ms"] / floor["ms"] if flat.get("ms") and floor.get("ms") else None
+    out.append([f"accumulate(adamw), flat / per-leaf floor, micro-step{suffix}",
+                _cell(ratio, digits=3), "<= 0.5 (GPU)"])
+    window = by_key.get((ACROSS, "window of 8" + suffix, accumulate_row("adamw", "flat")), {})
+    out.append([f"accumulate(adamw), flat / MultiSteps, window{suffix}",
+                _cell(window.get("ms_ratio"), digits=3), "<= 0.5 (GPU)"])
+  return out
+
+
+def print_quick(output: dict[str, Any], before: dict[str, Any] | None,
+                before_path: str | None) -> None:
+  records = output["records"]
+  print("\nboth doors: step time in ms (inside a step: median of interleaved rounds; across calls:"
+        " median micro-step and window, rows taking turns a window at a time), compile s (after"
+        " a warm-up compile), temp + output = compiled.memory_analysis().\nx ref: to lax.scan at"
+        f" the same N x micro; micro-steps to '{HAND_COND}'; windows to '{MULTISTEPS_ADAMW}';"
+        " '+ gradient': the gradient of one sequence in the same jit")
+  if before is not None:
+    print(f"now: {source_label(output)}; before: {source_label(before, before_path)}")
+  print(one_table(records, records_of(before) if before is not None else None))
+  print()
+  print(markdown_table(["figure", "measured", "goal"], output["goals"]))
+
