@@ -68,7 +68,7 @@ def bind(
   trace cannot see as replicated (once per call, so once per trace under jit).
   """
   kwargs = kwargs or {}
-  batch = _checked_roles(options, args, kwargs)
+  batch = _checked_roles(options, args)
   size = _batching.batch_size({n: args[n] for n in batch})
   mesh, num_shards = None, 1
   axes: tuple[str, ...] = ()
@@ -102,9 +102,8 @@ def traced(call: Call, grad_fun: Callable[..., Any]) -> Call:
   return call._replace(fun=fun, shapes=shapes, microbatch=one)
 
 
-def _checked_roles(options: _options.Options, args: tuple[Any, ...], kwargs) -> tuple[int, ...]:
+def _checked_roles(options: _options.Options, args: tuple[Any, ...]) -> tuple[int, ...]:
   """The batch's argument numbers, with every argument's role checked."""
-  _check_loss_scale(options, args, kwargs)
   batch = _find_batch(options, args)
   _check_in_range(options, batch, len(args))
   if options.batch_argnums is None:
@@ -201,31 +200,6 @@ def _check_differentiable(options: _options.Options, args: tuple[Any, ...]) -> N
             " (or eqx.partition the arrays out of it); for Flax NNX use"
             " accum_jax.flax.nnx_value_and_grad."
         )
-
-
-def _is_dynamic_loss_scale(x: Any) -> bool:
-  """A ``jmp.DynamicLossScale``, or an object with its interface."""
-  return all(hasattr(x, a) for a in ("loss_scale", "counter", "adjust", "unscale"))
-
-
-_OVERFLOW_UNSEEN = (
-    "with skip_nonfinite left at its default ('step'), a step in which a microbatch's"
-    " scaled loss overflows would come back with a zero gradient, which is finite, so"
-    " jmp.all_finite(grads) would hold and the scale would never see the overflow."
-)
-
-
-def _check_loss_scale(
-    options: _options.Options, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> None:
-  if options.skip_nonfinite_given:
-    return
-  where = [f"argument {i}" for i, a in enumerate(args) if _is_dynamic_loss_scale(a)]
-  where += [f"keyword argument {k!r}" for k, a in kwargs.items() if _is_dynamic_loss_scale(a)]
-  if where:
-    raise ValueError(
-        f"The {where[0]} is a dynamic loss scale: {_OVERFLOW_UNSEEN}{_trace.LOSS_SCALE_RECIPES}"
-    )
 
 
 def _check_plan(options: _options.Options, plan: Any, params: Any, kinds: Sequence[str]) -> None:

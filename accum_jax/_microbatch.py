@@ -17,7 +17,10 @@ The loop is a ``lax.scan``: XLA knows its trip count, and nothing inside it make
 a GPU wait on the host. By default (``skip_nonfinite="step"``) it adds every
 microbatch as the hand-written scan does (only a weight, for padding, selects),
 records whether each loss is finite, and one check of the sums after the loop
-zeroes the gradient of a step that is not finite: no conditional, one body.
+finds a step that is not finite: its gradient comes back NaN, as the whole
+batch's would, for the optimizer's own skip (``optax.apply_if_finite``,
+``accumulate``) or a loss scale to see, and the threaded state comes back as it
+went in. No conditional, one body.
 With ``skip_nonfinite="microbatch"`` it judges each microbatch by its loss; a
 gradient that is NaN under a finite loss shows in the sums, and only then, under
 one conditional after the loop, does a recheck find which microbatches'
@@ -54,10 +57,10 @@ class MicrobatchInfo(NamedTuple):
     gradient_noise: with ``gradient_noise=True``, the :class:`GradientNoise`
       estimated from the microbatches' gradients (per unit of weight; per
       example without ``weight_fn``); else None.
-    step_skipped: whether the gradient was zeroed because the step's summed
-      loss or gradient was not finite (``"step"``), or because no microbatch was
-      kept (``"microbatch"``); shape=(), dtype=bool. False with
-      ``skip_nonfinite=False``.
+    step_skipped: whether the step was skipped, its gradient returned NaN:
+      because its summed loss or gradient was not finite (``"step"``), or
+      because no microbatch was kept (``"microbatch"``); shape=(), dtype=bool.
+      False with ``skip_nonfinite=False``.
     loss_finite: with ``skip_nonfinite="step"``, whether each microbatch's loss
       was finite (zero-weight padding counts as finite); shape
       (num_microbatches,), or (devices x num_microbatches,) in device order
@@ -439,11 +442,7 @@ def _finalise(sums: _sharding.LocalSums, call: _call.Call) -> Any:
   # Every microbatch skipped: NaN, as on the whole batch, rather than a loss of
   # 0 that hides it (accumulate, apply_if_finite... then skip the step too).
   nothing_kept = (acc.weight == 0) & (acc.num_skipped > 0)
-  value, grads = jax.tree.map(
-      lambda x: jnp.where(nothing_kept, jnp.nan, x) if jnp.issubdtype(x.dtype, jnp.inexact)
-      else x,
-      (value, grads),
-  )
+  value = jnp.where(nothing_kept, jnp.nan, value)
   grads, state, skip = _skipped(call, acc, grads, sums.state, nothing_kept)
   aux = jax.tree.unflatten(jax.tree.structure(shapes.aux), [
       _aux_result(total, per_example, like, r, acc.weight, call)
@@ -472,19 +471,44 @@ class _StepSkip(NamedTuple):
 
 def _skipped(call: _call.Call, acc, grads, state, nothing_kept) -> tuple[Any, Any, _StepSkip]:
   """The gradient, the threaded state and what ``info`` says, by ``skip_nonfinite``:
-  with ``"step"``, a step that is not finite comes back with a zero gradient and
-  the state passed in (selects, no conditional)."""
+  with ``"step"``, a step that is not finite comes back with a NaN gradient and
+  the state passed in (selects, no conditional). See :func:`_skipped_grads`."""
   options = call.options
   skip = _StepSkip(nothing_kept, acc.num_skipped, acc.weight)
   if options.skip_step:
     skip = _whole_step(acc, call.plan)
-    grads = jax.tree.map(lambda g: jnp.where(skip.skipped, jnp.zeros((), g.dtype), g), grads)
     if options.state_argnums:
       old = call.args[options.state_argnums[0]]
       state = jax.tree.map(lambda new, old: jnp.where(skip.skipped, old, new), state, old)
   elif not options.skip_nonfinite:
     skip = skip._replace(skipped=jnp.array(False))
-  return grads, state, skip
+  return _skipped_grads(call, grads, skip.skipped | nothing_kept), state, skip
+
+
+def _skipped_grads(call: _call.Call, grads: Any, skipped: jax.Array) -> Any:
+  """``grads``, or where the step is ``skipped``, NaN in every gradient leaf and
+  the statistics ("max", "last" leaves) as they were passed in.
+
+  NaN, never zeros: a zero gradient is finite, so the optimizer would take a step
+  on it (Adam's moments decay and its count advances) and neither
+  ``optax.apply_if_finite``, ``accumulate`` nor a loss scale would see the step
+  fail. In every leaf, not only those the sums hold NaN in: a step is skipped for
+  a loss that is not finite as well, and a gate over some of the leaves
+  (``optax.multi_transform``) must see it too. A statistic is no gradient: it is
+  the new value of its parameter (Flax's FP8 amax histories and scales, which
+  ``TrainState.apply_gradients`` writes over the old ones, past the optimizer),
+  so a skipped step leaves it where it was, as it leaves the threaded state: a
+  NaN scale would make every later step NaN.
+  """
+  kinds = call.shapes.grad_kinds or ("mean",) * len(jax.tree.leaves(grads))
+  params = jax.tree.leaves(call.params())
+  leaves = [
+      jnp.where(skipped, jnp.asarray(old).astype(g.dtype), g) if _core.is_statistic(kind)
+      else jnp.where(skipped, jnp.nan, g) if jnp.issubdtype(g.dtype, jnp.inexact)
+      else g
+      for g, old, kind in zip(jax.tree.leaves(grads), params, kinds, strict=True)
+  ]
+  return jax.tree.unflatten(jax.tree.structure(grads), leaves)
 
 
 # The largest leaf (in elements) the step's check packs with the others.
@@ -563,7 +587,7 @@ def value_and_grad(
     split: Split = "contiguous",
     pad_batch: bool = False,
     accumulator_dtype: Any = jnp.float32,
-    skip_nonfinite: bool | str | None = None,
+    skip_nonfinite: bool | str = "step",
     mesh: jax.sharding.Mesh | None = None,
     data_axis: str | Sequence[str] | None = None,
     param_sharding: Any = None,
@@ -623,18 +647,19 @@ def value_and_grad(
     accumulator_dtype: the dtype of the running sums (float32 by default; None
       for the gradients' own). Results are cast back.
     skip_nonfinite: what non-finite data does. ``"step"`` (the default, also
-      True): every microbatch is added as it is, and when the summed loss or
-      gradient is not finite the gradient comes back zero (as
-      ``optax.apply_if_finite`` would skip the update), the loss and aux as
+      True or None): every microbatch is added as it is, and when the summed
+      loss or gradient is not finite the step is skipped: every gradient leaf
+      comes back NaN, as the whole batch's would be non-finite, so that the
+      optimizer skips the update (``optax.apply_if_finite(inner, 5)``, or
+      ``accumulate``'s own skip) and a dynamic loss scale sees the overflow;
+      the threaded state comes back as it was passed in, the loss and aux as
       they were, ``info.step_skipped`` True and ``info.loss_finite`` saying
-      which microbatches' losses were not finite; one check after the loop,
+      which microbatches' losses were not finite. One check after the loop,
       no conditional. ``"microbatch"``: only the microbatches whose loss or
       gradient is not finite are left out and counted, the rest give the
       exact mean (a second pass, under one conditional, when the sums are not
       finite). False: everything is added, NaN and all. Zero-weight padding
-      never adds anything in any mode. None (default) means ``"step"``, but
-      must be given when a dynamic loss scale is among the arguments or
-      ``fun`` computes in float16.
+      never adds anything in any mode.
     mesh: a ``jax.sharding.Mesh`` to run on: each device loops over its rows
       of the batch, and each gradient leaf is reduced as its parameter's
       sharding says (replicated: once per call; sharded over the data axis:

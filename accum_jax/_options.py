@@ -48,7 +48,6 @@ class Options(NamedTuple):
   pad_batch: bool
   accumulator_dtype: Any
   skip_nonfinite: bool  # non-finite data is skipped, one way or the other
-  skip_nonfinite_given: bool  # False when skip_nonfinite is the default
   mesh: Any
   data_axis: Any  # str, tuple of str, or None
   param_sharding: Any
@@ -120,7 +119,7 @@ def make(
     split: _batching.Split = "contiguous",
     pad_batch: bool = False,
     accumulator_dtype: Any = jnp.float32,
-    skip_nonfinite: bool | str | None = None,
+    skip_nonfinite: bool | str | None = "step",
     mesh: Any = None,
     data_axis: Any = None,
     param_sharding: Any = None,
@@ -159,8 +158,7 @@ def make(
       grad_reduction=grad_reduction, split=split, pad_batch=pad_batch,
       accumulator_dtype=_core.canonicalize_accumulator_dtype(accumulator_dtype),
       skip_nonfinite=_skip_mode(skip_nonfinite) is not False,
-      skip_step=_skip_mode(skip_nonfinite) == "step",
-      skip_nonfinite_given=skip_nonfinite is not None, mesh=mesh, data_axis=data_axis,
+      skip_step=_skip_mode(skip_nonfinite) == "step", mesh=mesh, data_axis=data_axis,
       param_sharding=param_sharding, gather=gather,
       gather_dtype=_transport_dtype(gather_dtype, "gather_dtype"),
       reduce_dtype=_transport_dtype(reduce_dtype, "reduce_dtype"),
@@ -177,14 +175,14 @@ DEFAULT_SKIP = "step"
 
 
 def _skip_mode(skip_nonfinite: Any) -> str | bool:
-  """``skip_nonfinite`` as "step", "microbatch" or False (None and True: the default)."""
+  """``skip_nonfinite`` as "step", "microbatch" or False (None and True: "step", the default)."""
   if skip_nonfinite is None or skip_nonfinite is True:
     return DEFAULT_SKIP
   if skip_nonfinite is False or skip_nonfinite in SKIP_MODES:
     return skip_nonfinite
   raise ValueError(
       f"skip_nonfinite={skip_nonfinite!r} is not one of True, False, 'step' or"
-      " 'microbatch': 'step' (the default, also True) zeroes the gradient of a step whose"
+      " 'microbatch': 'step' (the default, also True) returns a NaN gradient for a step whose"
       " summed loss or gradient is not finite, 'microbatch' leaves out only the"
       " microbatches that are not finite (a second pass over them when there are any),"
       " False adds everything as it is."

@@ -58,7 +58,8 @@ class ParityReport:
   """The result of :func:`check_parity`.
 
   Attributes:
-    ok: every leaf is within tolerance.
+    ok: every leaf is within tolerance, and the full batch's loss and gradient
+      are finite (otherwise there is nothing to match).
     max_abs: the largest ``max_abs`` over the leaves.
     max_rel: the largest ``max_rel`` over the leaves.
     per_leaf: a :class:`LeafDeviation` per leaf: ``"loss"``, then each gradient
@@ -332,7 +333,10 @@ def check_parity(
   per_leaf, rtols, round_off = _compare(
       (micro_loss, micro_grads), (full_loss, full_grads), rtol, atol
   )
-  ok = all(leaf.ok for leaf in per_leaf.values())
+  # A full batch that is not finite leaves nothing to match, even where the
+  # microbatched result is NaN in the same places, as a skipped step's is.
+  ok = all(leaf.ok for leaf in per_leaf.values()) and not _non_finite_reference(
+      (full_loss, full_grads))
 
   hints: list[str] = []
   if not ok:
@@ -473,12 +477,12 @@ def _skipped_step_hint(
   is not by running them once more with skip_nonfinite="microbatch"."""
   skipped = (
       f"so the step was skipped whole (skip_nonfinite='step', the default): the gradient"
-      f" came back zero and info.num_skipped counts all {int(info.num_skipped)}"
-      " microbatches."
+      f" came back NaN in every leaf and info.num_skipped counts all"
+      f" {int(info.num_skipped)} microbatches."
   )
   fixes = (
       " Pass skip_nonfinite='microbatch' to leave out only the microbatches that are not"
-      " finite, or skip_nonfinite=False to see the NaN."
+      " finite, or skip_nonfinite=False to see where the gradient is not finite."
   )
   bad = np.flatnonzero(~np.asarray(info.loss_finite)).tolist()
   if bad:

@@ -16,7 +16,6 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 
 from accum_jax import _core, _options
@@ -240,22 +239,11 @@ def trace(
   scalar = jax.ShapeDtypeStruct
   traced = one.trace(scalar((), jnp.int32), mb, state, scalar((), jnp.float32), seen)
   out = traced.out_info
-  _check_float16(options, traced.jaxpr)
   reductions = _aux_reductions(out.aux, options.aux_reduction, rows)
   # All "mean": the default path, as if per-leaf kinds did not exist.
   kinds = None if all(kind == "mean" for kind in grad_kinds) else grad_kinds
   shapes = Shapes(out.raw_value, jax.tree.map(abstract, grads), out.aux, reductions, kinds)
   return shapes, one
-
-
-LOSS_SCALE_RECIPES = (
-    " To let the scale see it, pass skip_nonfinite=False, so that an overflow makes the"
-    " gradient non-finite as on the whole batch (jmp.all_finite(grads) then lowers the"
-    " scale and the step is skipped); or pass skip_nonfinite='step' with return_info=True"
-    " and count info.step_skipped as an overflow, or skip_nonfinite='microbatch' (only"
-    " the microbatches that overflow are left out) with return_info=True and count"
-    " info.num_skipped > 0 as one."
-)
 
 
 def _aux_reductions(aux: Any, spec: Any, rows: int) -> tuple[str, ...]:
@@ -294,45 +282,3 @@ def _completed(spec: Any, tree: Any, where: str = "") -> Any:
     return type(spec)(_completed(s, t, f"{where}[{i}]")
                       for i, (s, t) in enumerate(zip(spec, tree)))
   return spec
-
-
-def _check_float16(options: _options.Options, jaxpr: Any) -> None:
-  """ValueError if one microbatch (``jaxpr``) computes in float16 and
-  ``skip_nonfinite`` is left at its default.
-
-  float16 overflows at 65504, so float16 training scales its loss, and a dynamic
-  scale must see each overflow. A scale passed as an argument is recognised by
-  :func:`bind`; one closed over by ``fun`` is not, but its float16 arithmetic
-  is, in the jaxpr of the microbatch. bfloat16 has float32's range and needs no
-  loss scale: it is not refused.
-  """
-  if options.skip_nonfinite_given:
-    return
-  found = _first_float16(jaxpr)
-  if found is not None:
-    primitive, aval = found
-    raise ValueError(
-        f"fun computes in float16 ({primitive} gives a float16 array of shape"
-        f" {tuple(aval.shape)}) and skip_nonfinite is left at its default ('step'): a"
-        " step in which a microbatch overflows would come back with a zero gradient, which"
-        " is finite, so a dynamic loss scale, closed over by fun or passed to it, would"
-        f" never see the overflow.{LOSS_SCALE_RECIPES} Without a loss scale, pass"
-        " skip_nonfinite='step' to skip the steps that overflow, or 'microbatch' to leave"
-        " out only the microbatches that do (return_info=True counts them). bfloat16"
-        " needs no loss scale and is not refused."
-    )
-
-
-def _first_float16(jaxpr: Any) -> tuple[str, Any] | None:
-  """The first equation of ``jaxpr`` (or of a jaxpr inside it) giving a float16 value."""
-  for eqn in jaxpr.eqns:
-    for var in eqn.outvars:
-      if getattr(var.aval, "dtype", None) == jnp.float16:
-        return eqn.primitive.name, var.aval
-    for param in eqn.params.values():
-      for sub in param if isinstance(param, tuple | list) else (param,):
-        if isinstance(sub, jax.extend.core.ClosedJaxpr):
-          sub = sub.jaxpr
-        if isinstance(sub, jax.extend.core.Jaxpr) and (found := _first_float16(sub)):
-          return found
-  return None

@@ -199,13 +199,15 @@ def test_by_default_the_nan_microbatch_skips_the_step_statistics_included():
       loss_fn, 16, has_aux=True, weight_fn=weight_fn, return_info=True,
       grad_reduction=SPECS["pytree"][0], aux_reduction=AUX_REDUCTION,
   )
-  (loss, aux), grads, info = jax.jit(vg)(make_params(), make_batch())
+  params = dict(make_params(), stat=np.arange(8, dtype=np.float32))
+  (loss, aux), grads, info = jax.jit(vg)(params, make_batch())
   assert bool(info.step_skipped) and int(info.num_skipped) == 16
   # Only the NaN microbatch's loss is not finite; zero-weight padding counts as finite.
   np.testing.assert_array_equal(info.loss_finite, np.arange(16) != SKIPPED)
-  # Every leaf is zeroed, "max" and "sum" alike; the loss and aux are as they were.
-  np.testing.assert_array_equal(grads["w"], np.zeros((8, 8), np.float32))
-  np.testing.assert_array_equal(grads["stat"], np.zeros(8, np.float32))
+  # Every gradient leaf is NaN, "mean" and "sum" alike; a statistic ("max") is its
+  # parameter as passed in, as the threaded state is; the loss and aux as they were.
+  np.testing.assert_array_equal(grads["w"], np.full((8, 8), np.nan, np.float32))
+  np.testing.assert_array_equal(grads["stat"], params["stat"])
   assert np.isnan(loss) and np.isnan(aux["loss"])
 
 

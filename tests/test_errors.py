@@ -118,11 +118,6 @@ def _plan_without_memory_analysis():
     _plan()
 
 
-def _dynamic_loss_scale():
-  jmp = pytest.importorskip("jmp")  # not installed by the oldest-versions job
-  return jmp.DynamicLossScale(jnp.float32(2**15))
-
-
 def _noise_before_accumulate():
   """DP-SGD's noise chained before accumulate: it would run on every call."""
   return optax.chain(accum_jax.privacy.add_gaussian_noise(1.0, 0),
@@ -173,12 +168,6 @@ TRIGGERS: dict[str, Callable[[], object]] = {
     "a differentiated argument holds a non-array (an Equinox module's function)": lambda: (
         accum_jax.value_and_grad(lambda m, b: _loss(m["w"], b), 2)(
             {"w": W, "act": jnp.tanh}, jnp.ones((4, 3)))),
-    "a `jmp.DynamicLossScale` is an argument and `skip_nonfinite` is left at its default": (
-        lambda: accum_jax.value_and_grad(lambda w, s, b: _loss(w, b), 2)(
-            W, _dynamic_loss_scale(), jnp.ones((4, 3)))),
-    "`fun` computes in float16 (a loss scale closed over, or none) and `skip_nonfinite` is left"
-    " at its default": lambda: accum_jax.value_and_grad(
-        lambda w, b: _loss(w.astype(jnp.float16), b.astype(jnp.float16)), 2)(W, jnp.ones((4, 3))),
     "`gradient_noise=True` without `return_info=True`": lambda: _vg(gradient_noise=True),
     "`value` is not a scalar": lambda: accum_jax.accumulate(optax.sgd(0.1), every_k=2).update(
         {"w": W}, accum_jax.accumulate(optax.sgd(0.1), every_k=2).init({"w": W}), {"w": W},

@@ -256,10 +256,10 @@ def test_a_non_finite_microbatch_is_skipped_on_every_device_and_counted(where):
 @pytest.mark.parametrize("where", ["loss", "gradient"])
 def test_by_default_a_non_finite_microbatch_skips_the_step_on_every_device(where):
   x, y, fun, (value, grads, info), params = _non_finite_step(where)
-  # The gradient is zeroed, sharded as the parameters; the loss is the batch's, as it was.
+  # The gradient is NaN, sharded as the parameters; the loss is the batch's, as it was.
   assert bool(info.step_skipped)
   assert int(info.num_skipped) == 8 * NUM_MICROBATCHES
-  tree_allclose(grads, jax.tree.map(np.zeros_like, make_params()))
+  tree_allclose(grads, jax.tree.map(lambda p: np.full_like(p, np.nan), make_params()))
   _assert_sharded_like(grads, params)
   full_value = jax.value_and_grad(fun)(make_params(), {"x": x, "y": y})[0]
   np.testing.assert_array_equal(np.isnan(value), where == "loss")

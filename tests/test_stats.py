@@ -137,7 +137,7 @@ def test_by_default_a_non_finite_microbatch_skips_the_step_and_names_its_loss():
   _, grads, info = door(4, return_info=True)(poisoned, batch)
   assert bool(info.step_skipped) and int(info.num_skipped) == 4
   np.testing.assert_array_equal(info.loss_finite, [True, False, True, True])
-  tree_allclose(grads, jax.tree.map(np.zeros_like, poisoned))
+  assert all(np.isnan(g).all() for g in jax.tree.leaves(grads))
 
 
 def test_a_non_finite_microbatch_is_left_out_of_both_passes_and_counted():
