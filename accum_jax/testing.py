@@ -425,6 +425,21 @@ def _where(item: Loop | Conditional) -> str:
   return ", ".join(places) or "top level"
 
 
+def _jax_stage(program: Any) -> Any:
+  """``program``, or the JAX stage that a framework's own stage wraps: Flax's
+  ``nnx.jit(f).lower(...)`` gives a ``Lowered`` whose ``.lowered`` is JAX's, and
+  its ``.compile()`` a ``Compiled`` whose ``.compiled`` is."""
+  import jax  # here, so that reading HLO text alone needs no jax
+
+  stages = (jax.stages.Lowered, jax.stages.Compiled)
+  if isinstance(program, (str, *stages)):
+    return program
+  for name in ("lowered", "compiled"):
+    if isinstance(inner := getattr(program, name, None), stages):
+      return inner
+  return program
+
+
 def _hlo_text(program: Any) -> tuple[str, tuple[GpuConditional, ...] | None]:
   """The compiled text of ``program``, and what XLA:GPU does with its conditionals
   where the unoptimised program was given (a ``Lowered``, compiled here)."""
@@ -432,6 +447,7 @@ def _hlo_text(program: Any) -> tuple[str, tuple[GpuConditional, ...] | None]:
     return program, None
   import jax  # here, so that reading HLO text alone needs no jax
 
+  program = _jax_stage(program)
   predicted = None
   if isinstance(program, jax.stages.Lowered):
     predicted = gpu_conditionals(program)
@@ -479,8 +495,8 @@ def host_syncs(program: Any) -> HostSyncs:
   (``both_branches``). Given only compiled text, every conditional counts.
 
   Args:
-    program: ``jax.jit(f).lower(*args)``, its ``.compile()``, or the compiled
-      ``.as_text()``.
+    program: ``jax.jit(f).lower(*args)`` (or ``nnx.jit``'s), its ``.compile()``,
+      or the compiled ``.as_text()``.
 
   Returns:
     A :class:`HostSyncs` listing every loop and conditional.
@@ -584,8 +600,8 @@ def assert_no_host_syncs_in_loops(program: Any) -> None:
   such a loop inside another loop; see :func:`host_syncs`.
 
   Args:
-    program: ``jax.jit(f).lower(*args)``, its ``.compile()``, or the compiled
-      ``.as_text()``.
+    program: ``jax.jit(f).lower(*args)`` (or ``nnx.jit``'s), its ``.compile()``,
+      or the compiled ``.as_text()``.
 
   Raises:
     AssertionError: naming each such loop and conditional, its ``op_name`` and why.
@@ -723,6 +739,7 @@ def _lowered_text(program: Any) -> str:
     return program
   import jax  # here, so that reading HLO text alone needs no jax
 
+  program = _jax_stage(program)
   if isinstance(program, jax.stages.Lowered):
     return program.as_text(dialect="hlo", debug_info=True)
   if isinstance(program, jax.stages.Compiled):
@@ -760,7 +777,8 @@ def gpu_conditionals(program: Any) -> tuple[GpuConditional, ...]:
   inlined: the predictions are for the program as written.
 
   Args:
-    program: ``jax.jit(f).lower(*args)``, or its ``.as_text(dialect="hlo")``.
+    program: ``jax.jit(f).lower(*args)`` (or ``nnx.jit``'s), or its
+      ``.as_text(dialect="hlo")``.
 
   Returns:
     One :class:`GpuConditional` per conditional, in text order.
@@ -906,7 +924,8 @@ def assert_conditionals_kept(program: Any) -> None:
   See :func:`gpu_conditionals` for the rules.
 
   Args:
-    program: ``jax.jit(f).lower(*args)``, or its ``.as_text(dialect="hlo")``.
+    program: ``jax.jit(f).lower(*args)`` (or ``nnx.jit``'s), or its
+      ``.as_text(dialect="hlo")``.
 
   Raises:
     AssertionError: naming each such conditional, its ``op_name`` and why.

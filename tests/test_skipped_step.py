@@ -34,6 +34,7 @@ from linen_model import loss_fn as linen_loss
 import accum_jax
 import accum_jax.equinox
 import accum_jax.flax
+import accum_jax.testing
 
 N = 4
 B = 8
@@ -299,3 +300,16 @@ def test_accumulate_skips_a_window_holding_a_nan_step_whole():
   assert int(accum_jax.optimizer_step(new_state)) == 1
   assert int(new_state.num_skipped) > 0
 
+
+def test_the_nnx_gate_makes_no_host_wait_and_the_hlo_readers_take_nnx_jit_s_stages():
+  """``optax.apply_if_finite``'s conditional is cheap in both branches: XLA:GPU
+  turns it into selects, so gating a step costs no host round trip. The HLO
+  readers take ``nnx.jit``'s ``Lowered`` and ``Compiled``, which wrap JAX's."""
+  model = _NnxNet(nnx.Rngs(0))
+  optimizer = nnx.Optimizer(model, _gate(optax.adamw(1e-2)), wrt=nnx.Param)
+  lowered = _nnx_step.lower(model, optimizer, *_data(0))
+  assert not isinstance(lowered, jax.stages.Lowered)
+  (gate,) = accum_jax.testing.gpu_conditionals(lowered)
+  assert not gate.kept, gate
+  assert accum_jax.testing.host_syncs(lowered).per_run == 0
+  assert len(accum_jax.testing.host_syncs(lowered.compile()).conditionals) == 1  # kept on CPU
