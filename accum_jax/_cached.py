@@ -497,8 +497,6 @@ def cached_value_and_grad(
   options = _options.make(
       num_microbatches, argnums=argnums, batch_argnums=batch_argnums, has_aux=has_aux,
       rng_argnums=rng_argnums, split=split, accumulator_dtype=accumulator_dtype,
-      # Given explicitly: nothing here hides an overflow from a dynamic loss scale
-      # (a non-finite step comes back non-finite), so bind need not refuse one.
       skip_nonfinite=bool(skip_nonfinite), mesh=mesh, data_axis=data_axis,
       param_sharding=param_sharding, gather=gather, return_info=return_info,
   )
