@@ -30,6 +30,12 @@ import accum_jax
 import accum_jax.privacy
 
 ERRORS_PAGE = Path(__file__).resolve().parent.parent / "docs" / "errors.md"
+
+
+def _host_update(**kwargs):
+  opt = accum_jax.accumulate(optax.sgd(1.0), 2)
+  params = {"w": jnp.ones(2)}
+  return opt.update(params, opt.init(params), params, **kwargs)
 NO_ERROR = "(no error)"
 
 
@@ -140,6 +146,13 @@ def _loss_and_mean(w, batch):
 
 
 TRIGGERS: dict[str, Callable[[], object]] = {
+    "`skip_nonfinite=True`": lambda: accum_jax.accumulate(
+        optax.sgd(1.0), 2, skip_nonfinite=True),
+    "`apply` is not a Python bool (a traced or array value)": lambda: _host_update(
+        apply=jnp.array(True)),
+    "`apply` given with `flush=True`": lambda: _host_update(apply=False, flush=True),
+    "`every_k` is a `noise_scale_every_k` schedule": lambda: accum_jax.HostSchedule(
+        accum_jax.noise_scale_every_k(8, k_max=4)),
     "`has_aux=True` and `fun` returns a loss alone": lambda: accum_jax.value_and_grad(
         _loss, 2, has_aux=True)(W, jnp.ones((4, 3))),
     "`fun` returns a tuple without `has_aux=True`": lambda: accum_jax.value_and_grad(
