@@ -15,6 +15,7 @@ the tables and writes the JSON; each section lives in its own module:
   memory; the peak memory of one step in a fresh process;
 - ``gpu_across.py``: across calls, ``accum_jax.accumulate(optax.adamw(1e-4),
   every_k=N)`` against ``optax.MultiSteps``, timed per call and per window of N;
+  and the rows of ``--quick`` below;
 - ``gpu_fit.py``: the largest full batch that fits (on a GPU, or with ``--fit``),
   then a batch ``--fit-factor`` times as large, microbatched;
 - ``gpu_tables.py``: the full run's tables; ``gpu_records.py``: --quick's one
@@ -24,18 +25,23 @@ the tables and writes the JSON; each section lives in its own module:
   10-minute job; ``gpu_failures.py``: a configuration that runs out of memory is
   recorded as OOM and the run goes on.
 
-``--quick``, the GPU check in one call (under 4 minutes on one GPU): one table for
-both doors, no memory workers and no compilation cache. Inside a step, at N x micro
-of 8x1, 8x4 and 16x1: the default ``value_and_grad``,
-``skip_nonfinite="microbatch"``, ``skip_nonfinite=False``, the hand-written scan and
-the full batch, with step time, compile time (after a warm-up compile of one
-microbatch's gradient, once per microbatch size) and static memory (temp + output).
-Across calls, every_k=8: the floors (one float32 vector add, the per-leaf add, a
-hand-written ``lax.cond(emit, adamw, skip)`` accumulator, a plain AdamW step),
-``accumulate`` with sgd, adamw and muon in both layouts, and ``optax.MultiSteps``,
-each alone and with the gradient of one sequence in the same jit. ``--compare PATH``
-puts the figures of an earlier run's JSON beside the rows it has, naming its card and
-commit.
+``--quick``, the GPU check in one call (under 4 minutes on one GPU, ``--budget``
+215 s): one table for both doors, no memory workers, no compilation cache (compile
+times are figures of the check) and no fit. Inside a step, at N x micro of 8x1,
+8x4 and 16x1: the default ``value_and_grad``, ``skip_nonfinite="microbatch"``,
+``skip_nonfinite=False``, the hand-written scan and the full batch, with step time,
+compile time (after a warm-up compile of one microbatch's gradient, once per
+microbatch size) and static memory (temp + output). Across calls, every_k=8, in
+the form users write (the gradient of one sequence and the update in one jit),
+each per micro-step and per window of 8: the acc-only floor (the gradient and a
+float32 add per leaf), the interface's floor (the same, AdamW's state passed
+through untouched), ``accumulate(adamw)`` on the host schedule (``apply=False``
+on 7 calls, ``apply=True`` on the 8th: two compiled programs) and on the device
+schedule (``apply`` left out), a hand-written ``lax.cond`` accumulator, a plain
+AdamW step, ``optax.MultiSteps(adamw)`` and ``accumulate(adamw, layout="flat")``
+on the host schedule. Micro-steps are set against the interface's floor, windows
+against MultiSteps'. ``--compare PATH`` puts the figures of an earlier run's JSON
+beside the rows it has, naming its card and commit.
 
 Run from the repository root::
 
@@ -97,10 +103,6 @@ def _parser() -> argparse.ArgumentParser:
   parser.add_argument("--quick", action="store_true",
                       help="the GPU check, both doors in one table, in under 4 minutes:"
                       " N x micro of 8x1, 8x4 and 16x1, then across calls; no memory workers")
-  parser.add_argument("--forms", nargs="+", choices=("standalone", "combined"),
-                      default=["standalone", "combined"],
-                      help="--quick, across calls: each call alone, or with the gradient of one"
-                      " sequence in the same jit (default both)")
   parser.add_argument("--compare", default=None, metavar="PATH",
                       help="a JSON of this script (e.g. an earlier card or commit): its figures"
                       " beside today's where the rows match")
@@ -280,15 +282,14 @@ def _print_step_tables(run: Run, memory: dict[tuple[str, int, int], dict[str, An
 
 
 def _quick_across_section(run: Run, loss: Any, params: Any) -> None:
-  sequence = make_tokens(1, run.model, seed=1)
-  run.output["quick_across"] = {}
-  for form in run.args.forms:
-    print(f"\nacross calls, every_k=8, {form}:", flush=True)
-    # A window is 8 calls: half the step section's rounds give as many samples.
-    run.output["quick_across"][form] = measure_quick_across(
-        params, loss, sequence, every_k=8, rounds=max(1, run.rounds // 2), budget=run.budget,
-        combined=form == "combined")
-    run.save()
+  print("\nacross calls, every_k=8, the gradient of one sequence and the update in one jit:",
+        flush=True)
+  # The form users write: the standalone form (a fixed gradient handed to each
+  # call) told nothing these rows do not, at the cost of compiling every row twice.
+  run.output["quick_across"] = {"combined": measure_quick_across(
+      params, loss, make_tokens(1, run.model, seed=1), every_k=8, rounds=run.rounds,
+      budget=run.budget)}
+  run.save()
 
 
 def _across_section(run: Run, params: Any) -> None:

@@ -45,7 +45,7 @@ BENCHMARKS: dict[str, tuple[str, list[str], list[str]]] = {
     "gpu": ("bench_gpu.py", ["--tiny-off-gpu"], ["--tiny"]),
     # The GPU check of both doors in one table (under 4 minutes on a GPU).
     "gpu_check": ("bench_gpu.py", ["--quick", "--tiny-off-gpu"],
-                  ["--quick", "--tiny", "--ns", "2", "--micro", "1", "--forms", "standalone"]),
+                  ["--quick", "--tiny", "--ns", "2", "--micro", "1"]),
     "many_leaves": ("bench_many_leaves.py", [], ["--quick"]),
     # The soak has no --quick: 500 micro-steps are what its test runs.
     "soak": ("soak.py", [], ["--steps", "500"]),

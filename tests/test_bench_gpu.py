@@ -7,10 +7,15 @@ rounds and no fresh-process memory measurements, and its JSON is checked: every
 (N, micro) row timed for all three methods, accum_jax's loss and gradient equal to
 the hand-written scan's, the across-calls rows present. A second test makes one
 method run out of memory and checks that the row records it and the others go on.
-The ``--quick`` check's functions run at a smaller size still: every row inside a
-step and three across calls measured, the doors checked against the scan, and the one table with an
-earlier run's figures beside the rows that match; the hand-written floor emits on
-the k-th call only. Timings are not checked: the machine is shared.
+The ``--quick`` check's functions (in the modules ``bench/gpu_*.py`` that the
+script imports) run at a smaller size still: every row inside a step measured and
+the doors checked against the scan; across calls, on two leaves, the rows of the
+headline figures (the interface's floor, the host schedule, MultiSteps); and the
+one table with an earlier run's figures beside the rows that match. The host
+schedule's rows (both layouts) leave the parameters as they were on a micro-step
+and apply on the window's last call what the device schedule applies; the
+hand-written floor emits on the k-th call only. Timings are not checked: the
+machine is shared.
 """
 
 from __future__ import annotations
@@ -28,11 +33,12 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
 SCRIPT = BENCH / "bench_gpu.py"
 
 
-def _bench(name: str):
-  """A module of bench/ (``gpu_model``, ``gpu_step``, ...), imported as bench_gpu.py imports it."""
+def _bench(*names: str):
+  """Modules of bench/ (``gpu_model``, ``gpu_step``, ...), imported as bench_gpu.py imports them."""
   if str(BENCH) not in sys.path:
     sys.path.insert(0, str(BENCH))  # the bench modules import _common and each other as siblings
-  return importlib.import_module(name)
+  modules = tuple(importlib.import_module(f"gpu_{name}") for name in names)
+  return modules if len(modules) > 1 else modules[0]
 
 
 def test_the_tiny_run_writes_its_rows_and_matches_the_scan() -> None:
@@ -87,9 +93,8 @@ def test_the_tiny_run_writes_its_rows_and_matches_the_scan() -> None:
 def test_a_configuration_out_of_memory_is_recorded_and_the_others_run(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-  gpu_model, gpu_methods, gpu_step = _bench("gpu_model"), _bench("gpu_methods"), _bench("gpu_step")
-  gpu_failures, gpu_tables, gpu_budget = (
-      _bench("gpu_failures"), _bench("gpu_tables"), _bench("gpu_budget"))
+  gpu_model, gpu_methods, gpu_step = _bench("model", "methods", "step")
+  gpu_failures, gpu_tables, gpu_budget = _bench("failures", "tables", "budget")
 
   def out_of_memory(loss, num_microbatches):
     raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1 bytes.")
@@ -129,14 +134,36 @@ def _legacy_run() -> dict:
   }
 
 
-def test_the_quick_check_puts_both_doors_in_one_table_beside_an_earlier_run() -> None:
-  gpu_model, gpu_methods, gpu_step = _bench("gpu_model"), _bench("gpu_methods"), _bench("gpu_step")
-  gpu_budget, gpu_across, gpu_records = (
-      _bench("gpu_budget"), _bench("gpu_across"), _bench("gpu_records"))
-  # The quick check's code at the smallest size: what runs on the GPU, in seconds here.
+def _cells(table: str) -> dict[tuple[str, ...], list[str]]:
+  """A markdown table's rows by their first three cells (door, case, row)."""
+  rows = [[c.strip() for c in line.strip("|").split("|")] for line in table.splitlines()[2:]]
+  return {tuple(r[:3]): r for r in rows}
+
+
+def _tiny_model():
+  """Smaller than --tiny: what runs on the GPU, in seconds here."""
+  gpu_model = _bench("model")
   config = gpu_model.Config(layers=1, width=16, heads=2, mlp=32, vocab=32, context=8)
   graphdef, params = gpu_model.make_model(config, "xla")
-  loss = gpu_model.make_loss(graphdef)
+  return config, gpu_model.make_loss(graphdef), params
+
+
+def _small_problem():
+  """Two bfloat16 leaves and a loss of them: how the across-calls rows are built and
+  driven is under test, and they compile here in a sixth of the model's time."""
+  import jax.numpy as jnp
+
+  def loss(params, x):
+    return jnp.mean((x @ params["w"].astype(jnp.float32) + params["b"]) ** 2)
+
+  params = {"w": jnp.full((4, 3), 0.01, jnp.bfloat16), "b": jnp.zeros(3, jnp.bfloat16)}
+  return loss, params, jnp.arange(8, dtype=jnp.float32).reshape(2, 4)
+
+
+def test_the_quick_check_puts_both_doors_in_one_table_beside_an_earlier_run() -> None:
+  gpu_methods, gpu_step, gpu_budget = _bench("methods", "step", "budget")
+  gpu_across, gpu_records = _bench("across", "records")
+  config, loss, params = _tiny_model()
   rows = gpu_step.measure_steps(
       [(2, 1)], loss, params, config, rounds=1, budget=gpu_budget.Budget(0),
       on_group=lambda: None, methods=gpu_methods.QUICK_METHODS, warmup_compile=True,
@@ -148,41 +175,86 @@ def test_the_quick_check_puts_both_doors_in_one_table_beside_an_earlier_run() ->
   assert set(row["checks"]) == {
       gpu_methods.DEFAULT, gpu_methods.MICROBATCH, gpu_methods.NO_SKIP}
   assert all(c["match"] for c in row["checks"].values()), row["checks"]
-  # Three of the rows (the others differ only in the optimizer inside): what the
-  # table below reads, and a floor.
-  names = ("floor: one f32 vector acc += g", "optax.MultiSteps(adamw)", "accumulate(adamw), tree")
-  assert set(names) <= set(gpu_across.across_candidates(2))
-  across = gpu_across.measure_quick_across(
-      params, loss, gpu_model.make_tokens(1, config), every_k=2, rounds=1,
-      budget=gpu_budget.Budget(0), combined=False, names=names)
+
+  # Across calls, a window of 2 calls: the rows of the figures below.
+  host, device, floor = gpu_across.HOST, gpu_across.DEVICE, gpu_across.FLOOR
+  names = (floor, host, gpu_across.MULTISTEPS_ADAMW)
+  assert len(gpu_across.across_candidates(2)) == 8 and set(names) | {device} <= set(
+      gpu_across.across_candidates(2))
+  small_loss, small_params, x = _small_problem()
+  across = gpu_across.measure_quick_across(small_params, small_loss, x, every_k=2, rounds=1,
+                                           budget=gpu_budget.Budget(0), names=names)
   assert set(across) == set(names)
   for name, entry in across.items():
     assert entry["status"] == "ok" and entry["micro_step_ms"] > 0, (name, entry)
     assert len(entry["call_ms_samples"]) == 1 and len(entry["call_ms_samples"][0]) == 2
+    assert entry["programs"] == (2 if name == host else 1), (name, entry)
+    assert ("micro_step_xla" in entry) == (name == host), (name, entry)
 
-  records = gpu_records.records_of({"results": [row], "quick_across": {"standalone": across}})
-  before = gpu_records.records_of(_legacy_run())
-  table = {tuple(c.strip() for c in line.strip("|").split("|")[:3]): line
-           for line in gpu_records.one_table(records, before).splitlines()[2:]}
-  cells = lambda key: [c.strip() for c in table[key].strip("|").split("|")]  # noqa: E731
+  # Before: the d1c9549 run inside a step, and an earlier run of these rows.
+  before = {**_legacy_run(), "quick_across": {"combined": {
+      floor: {"status": "ok", "micro_step_ms": 4.0, "window_ms": 40.0},
+      host: {"status": "ok", "micro_step_ms": 5.0, "window_ms": 48.0},
+      gpu_across.MULTISTEPS_ADAMW: {"status": "ok", "micro_step_ms": 6.0, "window_ms": 60.0}}}}
+  records = gpu_records.records_of({"results": [row], "quick_across": {"combined": across}})
+  cells = _cells(gpu_records.one_table(records, gpu_records.records_of(before)))
   # Today's default beside the default of then, each as a ratio to its own scan.
-  default = cells(("inside a step", "2x1", "default"))
+  default = cells["inside a step", "2x1", "default"]
   assert default[-2:] == ["40.000", "1.250"], default
   assert float(default[4]) == pytest.approx(
       row["methods"]["default"]["step_ms"] / row["methods"]["lax.scan"]["step_ms"], abs=1e-3)
-  assert cells(("inside a step", "2x1", "lax.scan"))[4] == "1.000"
-  assert cells(("inside a step", "2x1", "skip_nonfinite=False"))[-2:] == ["-", "-"]
-  assert cells(("across calls", "window of 8", "accumulate(adamw), tree"))[-2:] == [
-      "90.000", "1.125"]
-  assert cells(("across calls", "window of 8", "optax.MultiSteps(adamw)"))[4] == "1.000"
-  figures = {g[0]: g for g in gpu_records.goals(records)}
+  assert cells["inside a step", "2x1", "lax.scan"][4] == "1.000"
+  assert cells["inside a step", "2x1", "skip_nonfinite=False"][-2:] == ["-", "-"]
+  # Micro-steps against the interface's floor, windows against MultiSteps'.
+  micro = cells["across calls", "micro-step + gradient", host]
+  assert micro[-2:] == ["5.000", "1.250"], micro
+  assert float(micro[4]) == pytest.approx(
+      across[host]["micro_step_ms"] / across[floor]["micro_step_ms"], abs=1e-3)
+  assert cells["across calls", "window of 8 + gradient", host][-2:] == ["48.000", "0.800"]
+  assert cells["across calls", "window of 8 + gradient", gpu_across.MULTISTEPS_ADAMW][4] == (
+      "1.000")
+  figures = {g[0]: g[1] for g in gpu_records.goals(records)}
   assert "default / lax.scan step time, 2x1" in figures
+  assert figures[f"{host} / interface's floor, micro-step + gradient"] == (
+      f"{across[host]['micro_step_ms'] / across[floor]['micro_step_ms']:.3f}")
+  assert figures[f"{device} / interface's floor, micro-step + gradient"] == "-"  # not measured
+  assert figures[f"{host} / MultiSteps, window of 8 + gradient"] == (
+      f"{across[host]['window_ms'] / across[gpu_across.MULTISTEPS_ADAMW]['window_ms']:.3f}")
+  # The full run of then, across calls: the device schedule handed a fixed gradient.
+  legacy = _cells(gpu_records.one_table(gpu_records.records_of(_legacy_run())))
+  assert legacy["across calls", "window of 8", device][3:5] == ["90.000", "1.125"]
   assert gpu_records.source_label(_legacy_run(), "/x/h200-bench_gpu-d1c9549.json") == (
       "NVIDIA H200, jax 0.11.2, at d1c9549")
 
 
+@pytest.mark.parametrize("layout", ["tree", "flat"])
+def test_the_host_schedule_row_applies_on_the_last_call_what_the_device_schedule_does(
+    layout: str,
+) -> None:
+  gpu_across = _bench("across")
+  import jax
+  import numpy as np
+
+  loss, params, x = _small_problem()
+  candidates = gpu_across.across_candidates(2)
+  name = gpu_across.HOST if layout == "tree" else gpu_across.FLAT_HOST
+  host, host_entry = gpu_across.build_row(candidates[name], loss, params, x, 2)
+  device, device_entry = gpu_across.build_row(candidates[gpu_across.DEVICE], loss, params, x, 2)
+  assert host.applies == [False, True] and device.applies == [None, None]
+  # The host's micro-step holds no conditional; the device schedule's keeps one.
+  assert host_entry["micro_step_counts"]["conditionals"] == 0, host_entry
+  assert device_entry["micro_step_counts"]["conditionals"] >= 1, device_entry
+  start = jax.tree.map(np.asarray, params)
+  host.carry[:] = host.programs[False](*host.carry, x)
+  jax.tree.map(np.testing.assert_array_equal, host.carry[0], start)  # a micro-step: unmoved
+  host.carry[:] = host.programs[True](*host.carry, x)
+  gpu_across.run_window(device, x)
+  jax.tree.map(np.testing.assert_array_equal, host.carry[0], device.carry[0])
+  assert (np.asarray(host.carry[0]["b"]) != 0).all()  # AdamW applied to the window's mean
+
+
 def test_the_hand_written_floor_updates_on_the_kth_call_only() -> None:
-  gpu_across = _bench("gpu_across")
+  gpu_across = _bench("across")
   import jax.numpy as jnp
   import optax
 
@@ -190,8 +262,8 @@ def test_the_hand_written_floor_updates_on_the_kth_call_only() -> None:
   params = {"w": jnp.ones(3, jnp.bfloat16), "b": jnp.zeros((), jnp.bfloat16)}
   grads = {"w": jnp.full(3, 0.5, jnp.bfloat16), "b": jnp.ones((), jnp.bfloat16)}
   state = floor.init(params)
-  first, state = floor.update(params, state, grads)
+  first, state = floor.update(params, state, grads, None)
   assert (first["w"] == 1).all() and first["b"] == 0 and (state[1]["w"] == 0.5).all()
-  second, state = floor.update(first, state, grads)
+  second, state = floor.update(first, state, grads, None)
   assert (second["w"] == 0.5).all() and second["b"] == -1, second  # params - mean of 2 grads
   assert (state[1]["w"] == 0).all() and state[1]["b"] == 0  # the accumulator reset
