@@ -2,8 +2,9 @@
 
 A run's JSON, of this script's version or an earlier one, is read as records
 (door, case, row, reference row, time, compile time, static memory); each record's
-ratios are to its reference's figures in the same run. :func:`goals` picks the
-figures the issues set goals for.
+ratios are to its reference's figures in the same run: inside a step to the
+hand-written scan's; across calls, a micro-step to the interface's floor's and a
+window to MultiSteps'. :func:`goals` picks the headline figures.
 """
 
 from __future__ import annotations
