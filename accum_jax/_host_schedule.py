@@ -67,7 +67,7 @@ class HostSchedule:
   @property
   def window_length(self) -> int:
     """Calls in the current window: ``every_k`` at this optimizer step."""
-    return int(self._every_k(jnp.asarray(self.optimizer_step, jnp.int32)))
+    return int(jnp.asarray(self._every_k(jnp.asarray(self.optimizer_step, jnp.int32))))
 
   def next(self, last: bool = False) -> bool:
     """Whether the coming call ends its window; counts the call.

@@ -443,8 +443,8 @@ def _carrier(update_shapes: Any, call: _Call, acc: _core.Accumulator) -> tuple[A
   tree, or a dtype the sum cannot hold exactly), the gradient, cast.
   """
   total = acc.total
-  if not isinstance(total, _flat.Flat) and jax.tree.structure(total) == jax.tree.structure(
-      update_shapes):
+  structure: Any = jax.tree.structure(total)
+  if not isinstance(total, _flat.Flat) and structure == jax.tree.structure(update_shapes):
     fits = all(
         jnp.shape(t) == u.shape and jnp.promote_types(u.dtype, t.dtype) == t.dtype
         for t, u in zip(jax.tree.leaves(total), jax.tree.leaves(update_shapes))
