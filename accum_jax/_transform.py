@@ -428,7 +428,7 @@ def _emit(options, call, window, inner_state, acc, value_window, last_noise, car
   return (*new, applied)
 
 
-def _carrier(update_shapes: Any, call: _Call, acc: _core.Accumulator) -> tuple[Any, bool]:
+def _carrier(update_shapes: Any, held: Any, acc: _core.Accumulator) -> tuple[Any, bool]:
   """What the device schedule's conditional takes and returns as the updates, and
   whether it is the window's sum.
 
@@ -440,7 +440,7 @@ def _carrier(update_shapes: Any, call: _Call, acc: _core.Accumulator) -> tuple[A
   the emitting call is its last reader, so the updates can take its buffers (it
   becomes the state's sum, which :func:`accum_jax._state.window_sum` reads as
   zeros once the window is closed). Where the updates do not fit it (another
-  tree, or a dtype the sum cannot hold exactly), the gradient, cast.
+  tree, or a dtype the sum cannot hold exactly), ``held``: the gradient, cast.
   """
   total = acc.total
   structure: Any = jax.tree.structure(total)
@@ -451,7 +451,7 @@ def _carrier(update_shapes: Any, call: _Call, acc: _core.Accumulator) -> tuple[A
     )
     if fits:
       return total, True
-  return _held(update_shapes, call.grads), False
+  return held, False
 
 
 def _step_inner(options, call, state, window) -> _Inner:
@@ -492,7 +492,8 @@ def _device_step(options, call, state, window, update_shapes) -> _Inner:
   (:func:`_carrier`); the zero updates are a ``where`` after the conditional
   (:func:`_zero_unless`), and the window's restart is one in :func:`_next_state`.
   """
-  carrier, is_sum = _carrier(update_shapes, call, window.accumulator)
+  held = _held(update_shapes, call.grads)  # the updates' dtypes, as the caller gets them
+  carrier, is_sum = _carrier(update_shapes, held, window.accumulator)
 
   def emit(inner_state, acc, value_window, last_noise, carrier, not_applied):
     del not_applied
@@ -507,7 +508,7 @@ def _device_step(options, call, state, window, update_shapes) -> _Inner:
   out, inner_state, last_noise, applied = jax.lax.cond(
       window.apply, emit, hold, state.inner_opt_state, window.accumulator,
       window.value_accumulator, state.last_noise, carrier, window.apply)
-  updates = _zero_unless(applied, _cast_like(out, _held(update_shapes, call.grads)))
+  updates = _zero_unless(applied, _cast_like(out, held))
   return _Inner(updates, inner_state, last_noise, applied, out if is_sum else None)
 
 
