@@ -27,7 +27,7 @@ every device, is added to this device's shard.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -52,11 +52,6 @@ _REFUSED = {
         " full batch. Use a per-example normalisation (LayerNorm, GroupNorm), or"
         " BatchNorm with frozen statistics (use_running_average=True)."
     ),
-    "pad_batch": (
-        "rows of zeros would enter the loss as negatives of every example. Pad the"
-        " batch yourself and mask the padding rows out inside loss_fn, or choose a"
-        " num_microbatches that divides the batch."
-    ),
     "aux_reduction": (
         "loss_fn's aux is computed once, on the whole batch, and comes back as it"
         " returned it: there is nothing to reduce."
@@ -65,18 +60,9 @@ _REFUSED = {
         "the gradient of a batch-coupled loss is not a mean of independent"
         " per-chunk gradients, so their spread estimates no gradient noise."
     ),
+    "reduction": "each gradient leaf is the whole batch's, and none is a statistic to reduce.",
+    "gradient_dtype": "the gradient comes back in the parameters' dtype; cast it after.",
 }
-
-
-def _check_supported(unsupported: dict[str, Any]) -> None:
-  for name in unsupported:
-    if name in _REFUSED:
-      raise ValueError(f"cached_value_and_grad does not take {name}=: {_REFUSED[name]}")
-  if unsupported:
-    raise TypeError(
-        f"cached_value_and_grad got unexpected option(s) {sorted(unsupported)}; see its"
-        " docstring for the options it takes."
-    )
 
 
 def _bind(
@@ -382,98 +368,33 @@ def cached_value_and_grad(
     embed_fn: Callable[..., Any],
     loss_fn: Callable[..., Any],
     num_microbatches: int,
-    *,
-    argnums: int | Sequence[int] = 0,
-    batch_argnums: int | Sequence[int] | None = None,
-    has_aux: bool = False,
-    rng_argnums: int | Sequence[int] | None = None,
-    split: _batching.Split = "contiguous",
-    accumulator_dtype: Any = jnp.float32,
-    skip_nonfinite: bool = True,
-    mesh: jax.sharding.Mesh | None = None,
-    data_axis: str | None = None,
-    param_sharding: Any = None,
-    gather: _sharding.Gather = "per_microbatch",
-    return_info: bool = False,
-    **unsupported: Any,
+    **options: Any,
 ) -> Callable[..., Any]:
   """``jax.value_and_grad`` of a loss that couples the batch, embedded in chunks.
 
-  For losses that compare each example with the others (CLIP, SigLIP, InfoNCE,
-  supervised contrastive): the function returned computes what
-  ``jax.value_and_grad`` of ``loss_fn(params, embed_fn(params, batch), batch)``
-  would, with one chunk's activations alive at a time (gradient caching)::
-
-    embeddings = concat([embed_fn(params, chunk) for chunk in chunks])  # pass 1, no residuals
-    loss, (d_params, d_embeddings) = value_and_grad(loss_fn)(params, embeddings, batch)
-    for chunk, d_chunk in zip(chunks, split(d_embeddings)):             # pass 2
-      d_params += vjp(lambda p: embed_fn(p, chunk), params)(d_chunk)    # float32 sums
-
-  :func:`accum_jax.value_and_grad` would instead give the mean of per-chunk
-  losses, each seeing only its own chunk's negatives: another loss. This costs
-  one more forward pass of the towers than that (about 4/3 of a step).
-
-  See the guide: :doc:`/guides/contrastive`.
+  For losses that compare each example with the others (CLIP, SigLIP, InfoNCE):
+  the value and gradient of ``loss_fn(params, embed_fn(params, batch), batch)``,
+  with one chunk's activations alive at a time (gradient caching): the
+  embeddings of every chunk without residuals, the loss and its gradient on
+  them, then each chunk's pull-back, summed in float32. See the guide:
+  :doc:`/guides/contrastive`.
 
   Args:
-    embed_fn: ``embed_fn(params, chunk, ...)``, called with the returned
-      function's arguments, each batch argument replaced by one chunk of it (and
-      each key of ``rng_argnums`` folded with the chunk's index); returns the
-      embeddings, a pytree of floating arrays with the chunk's rows first (a
-      dict for several towers).
-    loss_fn: ``loss_fn(params, embeddings, batch, ...)``: the returned
-      function's arguments with the whole batch's embeddings (in batch order)
-      inserted before the first batch argument; returns the scalar loss of the
-      whole batch (``(loss, aux)`` with ``has_aux``). The gradient through its
-      own use of the parameters (a temperature, a bias) is added.
-    num_microbatches: the number of chunks, an int >= 1 dividing the batch
-      (on each device, under a mesh).
-    argnums: which positional argument(s) to differentiate.
-    batch_argnums: which positional argument(s) are batches. None (default):
-      every positional argument not otherwise named whose leaves are arrays
-      with a leading axis.
-    has_aux: ``loss_fn`` returns ``(loss, aux)``; aux is computed once, on the
-      whole batch, and returned as it is.
-    rng_argnums: argument(s) holding a PRNG key or a pytree of keys; chunk ``i``
-      is embedded with ``jax.random.fold_in(key, i)`` in both passes (then with
-      the device's index under a mesh), and ``loss_fn`` gets the key itself.
-    split: ``"contiguous"`` (default) or ``"strided"`` rows per chunk.
-    accumulator_dtype: the dtype of the gradient sums (float32 by default;
-      None for the parameters' own). Results are cast back.
-    skip_nonfinite: a step whose loss or gradient is not finite returns NaN for
-      the loss and every gradient leaf, and counts all its chunks as skipped in
-      ``info.num_skipped``: no chunk of a batch-coupled loss can be dropped, so
-      the step is skipped whole, as ``jax.value_and_grad`` would leave it
-      non-finite. False: the gradient as computed, NaN where it is.
-    mesh: a ``jax.sharding.Mesh`` to run data-parallel on: each device embeds
-      its rows, the embeddings are all-gathered for the loss, each device pulls
-      back its own rows, and the gradient is reduced once per call. Parameters
-      sharded over the data axis (FSDP) are gathered for the passes and their
-      gradients reduce-scattered into a sharded accumulator, as with
-      :func:`accum_jax.value_and_grad`. None: the ``jax.set_mesh`` mesh when
-      ``data_axis`` is given, else no mesh.
-    data_axis: the mesh axis the batch is sharded over.
-    param_sharding: the differentiated arguments' shardings, as for
-      :func:`accum_jax.value_and_grad` (needed under ``jax.jit`` with
-      automatic mesh axes, where the traced parameters cannot say).
-    gather: for parameters sharded over the data axis: ``"per_microbatch"``
-      (each chunk's gradient reduce-scattered into a sharded accumulator) or
-      ``"once"`` (a full-size local sum, reduce-scattered after the loop).
-    return_info: also return a :class:`MicrobatchInfo` (its ``num_skipped`` and
-      ``total_weight`` count chunks, over all devices).
-    **unsupported: the options of :func:`value_and_grad` that mean nothing here
-      (``weight_fn``, ``state_argnums``, ``pad_batch``, ``aux_reduction``,
-      ``gradient_noise``) are refused with a ValueError saying what to do.
+    embed_fn: ``embed_fn(params, chunk, ...)``: the embeddings of one chunk of
+      the batch arguments, a pytree of floating arrays with the chunk's rows first.
+    loss_fn: ``loss_fn(params, embeddings, batch, ...)``: the scalar loss of the
+      whole batch (``(loss, aux)`` with ``has_aux``), given every chunk's
+      embeddings in batch order.
+    num_microbatches: the number of chunks, an int >= 1 dividing the batch.
+    **options: the options of :func:`value_and_grad` that mean something here:
+      ``argnums``, ``batch_argnums``, ``has_aux``, ``rng_argnums``,
+      ``accumulator_dtype``, ``skip_nonfinite`` (``"step"`` or False),
+      ``data_parallel`` and ``return_info``.
 
   Returns:
-    A function of ``(params, batch, ...)`` returning ``(loss, grads)``, or
-    ``((loss, aux), grads)`` with ``has_aux`` (and a :class:`MicrobatchInfo`
-    third with ``return_info``). Call it under ``jax.jit``.
-
-  Raises:
-    ValueError: for bad or refused options; at trace time, for a batch that
-      does not split, embeddings without the chunk's rows first (BatchNorm
-      statistics among them), or a loss that is not a scalar.
+    A function of ``(params, batch, ...)`` returning ``(loss, grads)`` as
+    ``jax.value_and_grad`` of the whole batch's loss would (and a
+    :class:`MicrobatchInfo` counting chunks with ``return_info``).
 
   Examples:
     >>> import jax, jax.numpy as jnp, accum_jax
@@ -481,25 +402,24 @@ def cached_value_and_grad(
     ...   return {"a": jnp.tanh(batch["a"] @ params["wa"]), "b": batch["b"] @ params["wb"]}
     >>> def clip_loss(params, emb, batch):
     ...   logits = jnp.exp(params["t"]) * emb["a"] @ emb["b"].T
-    ...   labels = jnp.arange(logits.shape[0])
-    ...   return -jnp.mean(jax.nn.log_softmax(logits)[labels, labels])
+    ...   return -jnp.mean(jnp.diag(jax.nn.log_softmax(logits)))
     >>> params = {"wa": jnp.eye(3), "wb": jnp.eye(3) / 2, "t": jnp.zeros(())}
     >>> batch = {"a": jnp.sin(jnp.arange(24.0)).reshape(8, 3),
     ...          "b": jnp.cos(jnp.arange(24.0)).reshape(8, 3)}
     >>> vg = jax.jit(accum_jax.cached_value_and_grad(embed, clip_loss, num_microbatches=4))
     >>> loss, grads = vg(params, batch)
-    >>> full_loss, full_grads = jax.value_and_grad(
-    ...     lambda p, b: clip_loss(p, embed(p, b), b))(params, batch)
-    >>> bool(jnp.allclose(loss, full_loss)), bool(jnp.allclose(grads["t"], full_grads["t"]))
-    (True, True)
+    >>> full = jax.grad(lambda p, b: clip_loss(p, embed(p, b), b))(params, batch)
+    >>> bool(jnp.allclose(grads["t"], full["t"]))
+    True
   """
-  _check_supported(unsupported)
   options = _options.make(
-      num_microbatches, argnums=argnums, batch_argnums=batch_argnums, has_aux=has_aux,
-      rng_argnums=rng_argnums, split=split, accumulator_dtype=accumulator_dtype,
-      skip_nonfinite=bool(skip_nonfinite), mesh=mesh, data_axis=data_axis,
-      param_sharding=param_sharding, gather=gather, return_info=return_info,
+      num_microbatches, caller="cached_value_and_grad", refused=_REFUSED, **options
   )
+  if options.skip_nonfinite and not options.skip_step:
+    raise ValueError(
+        "cached_value_and_grad does not take skip_nonfinite='microbatch': no chunk of a"
+        " batch-coupled loss can be left out. Pass 'step' (the default) or False."
+    )
 
   def wrapped(*args, **kwargs):
     call = _bind(options, args, kwargs)

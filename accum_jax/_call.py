@@ -80,7 +80,7 @@ def bind(
     _batching.check_divisible(size, options.num_microbatches, num_shards)
   rows = (size + padding) // (num_shards * options.num_microbatches)
   params = diff_args(options, args)
-  kinds = _options.grad_reductions(options.grad_reduction, params)
+  kinds = _options.grad_reductions(options.reduction, params)
   plan = None if mesh is None else _plan(options, mesh, axes, params, kinds)
   if padding:
     args = tuple(_batching.pad(a, padding) if n in batch else a for n, a in enumerate(args))
@@ -210,7 +210,7 @@ def _check_plan(options: _options.Options, plan: Any, params: Any, kinds: Sequen
     if leaf.gathers and _core.is_statistic(kind):
       raise ValueError(
           f"The gradient leaf {jax.tree_util.keystr(path)} combines by {kind!r} (its"
-          " grad_reduction, or the default for Flax's FP8 statistics), but its parameter is"
+          " reduction, or the default for Flax's FP8 statistics), but its parameter is"
           f" sharded over the data axes {tuple(a for _, axes in leaf.gathers for a in axes)}"
           f" (its spec over them is {leaf.spec}): a 'max' or 'last' leaf is combined"
           " whole on each device after the loop. Replicate it over the data axes (such"

@@ -33,8 +33,8 @@ class HostSchedule:
 
   Args:
     every_k: calls per window, an int >= 1 or a callable from the optimizer
-      step to it (:func:`accum_jax.every_k_schedule`). A
-      :func:`accum_jax.noise_scale_every_k` schedule is decided on the device:
+      step to it (:func:`accum_jax.piecewise_every_k`). A
+      :func:`accum_jax.noise.noise_scale_every_k` schedule is decided on the device:
       leave ``apply`` out for it.
     state: the optimizer state to resume from (the state of
       :func:`accum_jax.accumulate`, or any pytree holding one: a chain's state,

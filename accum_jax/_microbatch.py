@@ -583,140 +583,61 @@ def value_and_grad(
     rng_argnums: int | Sequence[int] | None = None,
     state_argnums: int | None = None,
     aux_reduction: AuxReduction | Any | None = None,
-    grad_reduction: Any = None,
-    split: Split = "contiguous",
-    pad_batch: bool = False,
+    reduction: Any = None,
     accumulator_dtype: Any = jnp.float32,
+    gradient_dtype: Any = None,
     skip_nonfinite: bool | str = "step",
-    mesh: jax.sharding.Mesh | None = None,
-    data_axis: str | Sequence[str] | None = None,
-    param_sharding: Any = None,
-    gather: _sharding.Gather = "per_microbatch",
-    gather_dtype: Any = None,
-    reduce_dtype: Any = None,
+    data_parallel: _options.DataParallel | None = None,
     return_info: bool = False,
     gradient_noise: bool = False,
-    gradient_dtype: Any = None,
 ) -> Callable[..., Any]:
   """``jax.value_and_grad`` over a batch split into microbatches.
 
-  The batch arguments are split along axis 0 into ``num_microbatches`` parts and
-  a loop takes the value and gradient of ``fun`` on each in turn, so
-  one microbatch's activations are alive at a time. The result is the weighted
-  mean over the microbatches, the full batch's mean.
-
-  See the guide: :doc:`/two_doors`.
+  The batch arguments are split along axis 0 into ``num_microbatches`` parts, and
+  a ``lax.scan`` takes the value and gradient of ``fun`` on each in turn, so one
+  microbatch's activations are alive at a time; the result is the full batch's
+  mean. Each option is described in :doc:`/two_doors` (inside one step).
 
   Args:
     fun: the function to differentiate, as for ``jax.value_and_grad``.
-    num_microbatches: the number of microbatches, an int >= 1 dividing the batch.
-    argnums: which positional argument(s) to differentiate.
-    batch_argnums: which positional argument(s) are batches (pytrees whose
-      leaves share a leading axis). None (default): every positional argument
-      not otherwise named whose leaves are arrays with a leading axis.
-    has_aux: ``fun`` returns ``(value, aux)``.
-    weight_fn: maps one microbatch's batch arguments to its scalar weight,
-      e.g. ``lambda batch: batch["mask"].sum()``. None: every microbatch weighs 1.
-    rng_argnums: argument(s) holding a PRNG key or a pytree of keys; microbatch
-      ``i`` gets ``jax.random.fold_in(key, i)`` of each.
-    state_argnums: an argument threaded through the microbatches in order
-      (e.g. BatchNorm ``batch_stats``); ``fun`` then returns
-      ``(value, (new_state, aux))`` with ``has_aux=True``.
-    aux_reduction: ``"mean"``, ``"sum"``, ``"max"``, ``"last"``, ``"concat"``
-      (per-example, in batch order) or ``"stack"`` (per microbatch), or a
-      pytree prefix of the aux with those (or None) at its leaves; a dict in
-      it may name only some of the aux dict's keys, the others take the
-      default. None (default): concatenate the leaves with a leading axis of
-      the microbatch's rows, average the others. Python numbers in the aux
-      (``{"steps": 1}``) come back as JAX arrays of their weak dtype.
-    grad_reduction: how gradient leaves combine over the microbatches:
-      ``"mean"`` (the weighted mean), ``"sum"`` (the weighted sum; when every
-      gradient leaf sums, the value is the weighted sum of the microbatches'
-      losses too, the batch's sum for a summed loss), ``"max"``
-      or ``"last"`` (the largest, or the last kept microbatch's, value as the
-      gradient function returned it: statistics, not gradients); a pytree
-      prefix of the gradient with those (or None) at its leaves; or a
-      callable ``(path, leaf)`` returning one or None. None (default):
-      ``"mean"``, and ``"max"`` for Flax Linen's FP8 statistics (the
-      ``_overwrite_with_gradient`` collection) unless an entry at or below
-      that collection says otherwise. See :doc:`/guides/leaf_reductions`.
-    split: ``"contiguous"`` (default) or ``"strided"`` rows per microbatch;
-      ``"strided"`` for a sharded batch without ``mesh``.
-    pad_batch: pad a batch that does not split with zero rows instead of
-      raising; needs a ``weight_fn`` that gives them zero weight.
-    accumulator_dtype: the dtype of the running sums (float32 by default; None
-      for the gradients' own). Results are cast back.
-    skip_nonfinite: what non-finite data does. ``"step"`` (the default, also
-      True or None): every microbatch is added as it is, and when the summed
-      loss or gradient is not finite the step is skipped: every gradient leaf
-      comes back NaN, as the whole batch's would be non-finite, so that the
-      optimizer skips the update (``optax.apply_if_finite(inner, 5)``, or
-      ``accumulate``'s own skip) and a dynamic loss scale sees the overflow;
-      the threaded state comes back as it was passed in, the loss and aux as
-      they were, ``info.step_skipped`` True and ``info.loss_finite`` saying
-      which microbatches' losses were not finite. One check after the loop,
-      no conditional. ``"microbatch"``: only the microbatches whose loss or
-      gradient is not finite are left out and counted, the rest give the
-      exact mean (a second pass, under one conditional, when the sums are not
-      finite). False: everything is added, NaN and all. Zero-weight padding
-      never adds anything in any mode.
-    mesh: a ``jax.sharding.Mesh`` to run on: each device loops over its rows
-      of the batch, and each gradient leaf is reduced as its parameter's
-      sharding says (replicated: once per call; sharded over the data axis:
-      into a shard of the accumulator). None: the ``jax.set_mesh`` mesh when
-      ``data_axis`` is given, else no mesh.
-    data_axis: the mesh axis (or a tuple of axes, e.g. ``("replica",
-      "fsdp")`` for HSDP) the batch is sharded over.
-    param_sharding: the differentiated arguments' shardings (a
-      ``NamedSharding`` or ``PartitionSpec``, or a pytree prefix of them).
-      None: read from each parameter, which works for explicit mesh axes and
-      for eager calls; under ``jax.jit`` with automatic axes a parameter with
-      none given counts as replicated, and an ``UnknownShardingWarning`` says so
-      (``P()`` for replicated parameters silences it).
-    gather: for parameters sharded over a data axis: ``"per_microbatch"``
-      (FSDP: the gradient is reduce-scattered into a sharded accumulator every
-      microbatch) or ``"once"`` (gathered before the loop, a full-size local
-      sum, one reduce-scatter after it).
-    gather_dtype: the dtype sharded parameters are gathered in, and ``fun``
-      sees them in (e.g. ``jnp.bfloat16``); None keeps theirs.
-    reduce_dtype: the dtype gradients cross devices in; None keeps theirs.
+    num_microbatches: an int >= 1 dividing the batch (on each device).
+    argnums, has_aux: as for ``jax.value_and_grad``.
+    batch_argnums: the argument(s) to split; None: every other array argument.
+    weight_fn: one microbatch's batch arguments to its scalar weight.
+    rng_argnums: argument(s) holding PRNG keys, folded with each microbatch's index.
+    state_argnums: an argument threaded through the microbatches (BatchNorm).
+    aux_reduction: how each aux leaf combines ("mean", "sum", "max", "last",
+      "concat", "stack", or a pytree prefix of them).
+    reduction: how each gradient leaf combines ("mean", "sum", "max", "last",
+      a pytree prefix, or a callable); see :doc:`/guides/leaf_reductions`.
+    accumulator_dtype: the sums' dtype (float32; None: the gradients' own).
+    gradient_dtype: the returned gradient's dtype; None: the parameters'.
+    skip_nonfinite: ``"step"`` (NaN gradient for a non-finite step),
+      ``"microbatch"`` (leave out the bad microbatches) or False.
+    data_parallel: a :class:`DataParallel`: the mesh and how gradients cross it.
     return_info: also return a :class:`MicrobatchInfo`.
-    gradient_noise: estimate the gradient noise from the microbatches, as
-      ``info.gradient_noise``. Needs ``return_info``.
-    gradient_dtype: the dtype the gradient's floating leaves are returned in
-      (e.g. ``jnp.float32`` for bfloat16 parameters, so that the optimizer sees
-      the accumulator's unrounded mean, as T5X gives it); None (default): each
-      leaf in its parameter's dtype. Complex leaves keep their own.
+    gradient_noise: estimate the gradient noise, as ``info.gradient_noise``.
 
   Returns:
     A function with ``fun``'s signature returning what ``jax.value_and_grad``
-    would (and a :class:`MicrobatchInfo` third with ``return_info``). Call it
-    under ``jax.jit``: eagerly, every call compiles its loop anew.
-
-  Raises:
-    ValueError: for bad options; at trace time, for a batch that does not
-      split, a non-scalar weight, or a ``fun`` that does not return what
-      ``has_aux`` and ``state_argnums`` promise.
+    would (and a :class:`MicrobatchInfo` with ``return_info``). Call it under
+    ``jax.jit``.
 
   Examples:
     >>> import jax, jax.numpy as jnp, accum_jax
     >>> def loss(w, batch):
     ...   return jnp.mean((batch["x"] @ w - batch["y"]) ** 2)
-    >>> w = jnp.ones(3)
-    >>> batch = {"x": jnp.arange(24.0).reshape(8, 3) / 24, "y": jnp.ones(8)}
+    >>> w, batch = jnp.ones(3), {"x": jnp.arange(24.0).reshape(8, 3) / 24, "y": jnp.ones(8)}
     >>> value, grads = jax.jit(accum_jax.value_and_grad(loss, num_microbatches=4))(w, batch)
-    >>> full_value, full_grads = jax.value_and_grad(loss)(w, batch)
-    >>> bool(jnp.allclose(value, full_value)), bool(jnp.allclose(grads, full_grads))
-    (True, True)
+    >>> bool(jnp.allclose(grads, jax.grad(loss)(w, batch)))
+    True
   """
   options = _options.make(
       num_microbatches, argnums=argnums, batch_argnums=batch_argnums, has_aux=has_aux,
       weight_fn=weight_fn, rng_argnums=rng_argnums, state_argnums=state_argnums,
-      aux_reduction=aux_reduction, grad_reduction=grad_reduction, split=split, pad_batch=pad_batch,
-      accumulator_dtype=accumulator_dtype, skip_nonfinite=skip_nonfinite, mesh=mesh,
-      data_axis=data_axis, param_sharding=param_sharding, gather=gather,
-      gather_dtype=gather_dtype, reduce_dtype=reduce_dtype, return_info=return_info,
-      gradient_noise=gradient_noise, gradient_dtype=gradient_dtype,
+      aux_reduction=aux_reduction, reduction=reduction, accumulator_dtype=accumulator_dtype,
+      gradient_dtype=gradient_dtype, skip_nonfinite=skip_nonfinite, data_parallel=data_parallel,
+      return_info=return_info, gradient_noise=gradient_noise,
   )
   grad_fun = _trace.checked(fun, options)
 
@@ -743,7 +664,7 @@ def of_call(call: _call.Call) -> Any:
   return _finalise(sums, call)
 
 
-def grad(fun: Callable[..., Any], num_microbatches: int, **kwargs: Any) -> Callable[..., Any]:
+def grad(fun: Callable[..., Any], num_microbatches: int, **options: Any) -> Callable[..., Any]:
   """``jax.grad`` over microbatches; the options of :func:`value_and_grad`.
 
   Returns ``grads``, or ``(grads, aux)`` with ``has_aux=True``, as ``jax.grad``
@@ -756,8 +677,9 @@ def grad(fun: Callable[..., Any], num_microbatches: int, **kwargs: Any) -> Calla
     >>> g.tolist()
     [1.0, 1.0]
   """
-  vg = value_and_grad(fun, num_microbatches, **kwargs)
-  return grad_of(vg, fun, kwargs.get("has_aux", False), kwargs.get("return_info", False))
+  _options.make(num_microbatches, caller="grad", **options)
+  vg = value_and_grad(fun, num_microbatches, **options)
+  return grad_of(vg, fun, options.get("has_aux", False), options.get("return_info", False))
 
 
 def grad_of(

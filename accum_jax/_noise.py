@@ -170,9 +170,9 @@ class NoiseScaleEMA(NamedTuple):
 
   Examples:
     >>> import jax.numpy as jnp, accum_jax
-    >>> ema = accum_jax.NoiseScaleEMA.create(decay=0.9)
+    >>> ema = accum_jax.noise.NoiseScaleEMA.create(decay=0.9)
     >>> for trace_cov in (8.0, 12.0):
-    ...   ema = ema.update(accum_jax.GradientNoise(jnp.float32(1.0), jnp.float32(trace_cov)))
+    ...   ema = ema.update(accum_jax.noise.GradientNoise(jnp.float32(1.0), jnp.float32(trace_cov)))
     >>> round(float(ema.simple_noise_scale), 3)  # (0.9 * 0.1 * 8 + 0.1 * 12) / (0.19 * 1)
     10.105
   """

@@ -9,8 +9,9 @@ ends use the same options, so an option means one thing everywhere.
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, NamedTuple
 
 import jax
@@ -43,7 +44,7 @@ class Options(NamedTuple):
   has_aux: bool
   weight_fn: Callable[..., Any] | None
   aux_reduction: Any  # None, a string, or a pytree prefix of the aux; see `aux_reductions`
-  grad_reduction: Any  # None, a string, a pytree prefix or a callable; see `grad_reductions`
+  reduction: Any  # None, a string, a pytree prefix or a callable; see `grad_reductions`
   split: _batching.Split
   pad_batch: bool
   accumulator_dtype: Any
@@ -105,65 +106,159 @@ def _check_roles(roles: dict[str, tuple[int, ...]]) -> None:
   check_roles({f"{name}={nums}": nums for name, nums in roles.items()})
 
 
+@dataclasses.dataclass(frozen=True)
+class DataParallel:
+  """How the batch is spread over devices, and how gradients cross them.
+
+  Every function that takes ``value_and_grad``'s options takes this one object
+  as ``data_parallel=``. See the guide: :doc:`/multi_device`.
+
+  Attributes:
+    mesh: the ``jax.sharding.Mesh`` to run on: each device loops over its rows
+      of the batch, and each gradient leaf is reduced as its parameter's
+      sharding says (replicated: once per call; sharded over a data axis: into
+      a shard of the accumulator). None: the ``jax.set_mesh`` mesh when
+      ``data_axis`` is given, else no mesh.
+    data_axis: the mesh axis (or a tuple of axes, e.g. ``("replica", "fsdp")``
+      for HSDP) the batch is sharded over.
+    param_sharding: the differentiated arguments' shardings (a
+      ``NamedSharding`` or ``PartitionSpec``, or a pytree prefix of them).
+      None: read from each parameter; under ``jax.jit`` with automatic axes a
+      parameter with none counts as replicated, and an
+      :class:`UnknownShardingWarning` says so.
+    gather: for parameters sharded over a data axis: ``"per_microbatch"``
+      (FSDP: each microbatch's gradient reduce-scattered into a sharded
+      accumulator) or ``"once"`` (gathered before the loop: a full-size local
+      sum, one reduce-scatter after it). None: ``"per_microbatch"``
+      (``plan_microbatches`` compares both).
+    gather_dtype: the dtype sharded parameters are gathered in; None keeps theirs.
+    reduce_dtype: the dtype gradients cross devices in; None keeps theirs.
+    split: ``"contiguous"`` (default) takes consecutive rows per microbatch;
+      ``"strided"`` rows ``i, i + N, ...``, so that a batch sharded by
+      ``jax.jit`` alone (no mesh) puts rows of every device in each microbatch.
+
+  Examples:
+    >>> import jax, accum_jax
+    >>> mesh = jax.make_mesh((1,), ("data",))
+    >>> accum_jax.DataParallel(mesh, "data").data_axis
+    'data'
+  """
+
+  mesh: jax.sharding.Mesh | None = None
+  data_axis: str | tuple[str, ...] | None = None
+  param_sharding: Any = None
+  gather: _sharding.Gather | None = None
+  gather_dtype: Any = None
+  reduce_dtype: Any = None
+  split: _batching.Split = "contiguous"
+
+
+# value_and_grad's options and their defaults: every function that takes them
+# takes them under these names, checked by `make`.
+DEFAULTS: dict[str, Any] = {
+    "argnums": 0,
+    "batch_argnums": None,
+    "has_aux": False,
+    "weight_fn": None,
+    "rng_argnums": None,
+    "state_argnums": None,
+    "aux_reduction": None,
+    "reduction": None,
+    "accumulator_dtype": jnp.float32,
+    "gradient_dtype": None,
+    "skip_nonfinite": "step",
+    "data_parallel": None,
+    "return_info": False,
+    "gradient_noise": False,
+}
+
+# Options that were renamed or grouped, and what to pass instead.
+_MOVED = {
+    "grad_reduction": "pass reduction= instead",
+    "pad_batch": (
+        "pad the batch to a multiple of num_microbatches yourself, with rows that"
+        " weight_fn weighs zero"
+    ),
+    **{name: f"pass data_parallel=accum_jax.DataParallel({name}=...)" for name in (
+        "mesh", "data_axis", "param_sharding", "gather", "gather_dtype", "reduce_dtype", "split")},
+}
+
+
+def _check_names(caller: str, given: Mapping[str, Any], refused: Mapping[str, str]) -> None:
+  """ValueError for an option ``caller`` does not take: refused, moved or unknown."""
+  for name, value in given.items():
+    if name in refused:
+      raise ValueError(f"{caller} does not take {name}={value!r}: {refused[name]}")
+    if name in _MOVED:
+      raise ValueError(f"{caller} takes no {name}=: {_MOVED[name]}.")
+    if name not in DEFAULTS:
+      raise ValueError(
+          f"{caller} got an unknown option {name}={value!r}; its options are"
+          f" {sorted(set(DEFAULTS) - set(refused))}."
+      )
+
+
+def _data_parallel(value: Any) -> DataParallel:
+  if value is None:
+    return DataParallel()
+  if not isinstance(value, DataParallel):
+    raise ValueError(
+        f"data_parallel={value!r} is not an accum_jax.DataParallel: pass e.g."
+        " data_parallel=accum_jax.DataParallel(mesh, data_axis='data')."
+    )
+  return value
+
+
 def make(
     num_microbatches: Any,
     *,
-    argnums: int | Sequence[int] = 0,
-    batch_argnums: int | Sequence[int] | None = None,
-    has_aux: bool = False,
-    weight_fn: Callable[..., Any] | None = None,
-    rng_argnums: int | Sequence[int] | None = None,
-    state_argnums: int | None = None,
-    aux_reduction: Any = None,
-    grad_reduction: Any = None,
-    split: _batching.Split = "contiguous",
-    pad_batch: bool = False,
-    accumulator_dtype: Any = jnp.float32,
-    skip_nonfinite: bool | str | None = "step",
-    mesh: Any = None,
-    data_axis: Any = None,
-    param_sharding: Any = None,
-    gather: str = "per_microbatch",
-    gather_dtype: Any = None,
-    reduce_dtype: Any = None,
-    return_info: bool = False,
-    gradient_noise: bool = False,
-    gradient_dtype: Any = None,
+    caller: str = "value_and_grad",
+    refused: Mapping[str, str] | None = None,
+    **given: Any,
 ) -> Options:
-  """Checks the options of ``value_and_grad``; raises a ValueError naming the bad one."""
+  """Checks the options of ``value_and_grad`` (or of ``caller``, which refuses
+  ``refused``: name -> why, with the fix), when the function is built; raises a
+  ValueError naming the bad one."""
+  _check_names(caller, given, refused or {})
+  o = {**DEFAULTS, **given}
   if (n := _core.positive_int(num_microbatches)) is None:
     raise ValueError(
         f"num_microbatches={num_microbatches!r} must be an int >= 1 that divides the"
         " batch size; use 1 for the whole batch at once."
     )
-  diff = argnums_tuple(argnums, "argnums")
+  diff = argnums_tuple(o["argnums"], "argnums")
   if not diff:
     raise ValueError("argnums=() differentiates nothing: name at least one argument.")
-  batch = None if batch_argnums is None else argnums_tuple(batch_argnums, "batch_argnums")
+  batch = (
+      None if o["batch_argnums"] is None else argnums_tuple(o["batch_argnums"], "batch_argnums")
+  )
   if batch == ():
     raise ValueError(
         "batch_argnums=() names no batch: name the argument(s) to split, or leave it"
         " None to split every positional array argument that is not differentiated."
     )
-  state = argnums_tuple(state_argnums, "state_argnums")
+  state = argnums_tuple(o["state_argnums"], "state_argnums")
   if len(state) > 1:
     raise ValueError(
-        f"state_argnums={state_argnums!r}: one argument can be threaded; gather the"
+        f"state_argnums={o['state_argnums']!r}: one argument can be threaded; gather the"
         " states into one pytree."
     )
+  dp = _data_parallel(o["data_parallel"])
+  skip = _skip_mode(o["skip_nonfinite"])
   options = Options(
-      num_microbatches=n, argnums=diff, single_argnum=isinstance(argnums, numbers.Integral),
-      batch_argnums=batch, rng_argnums=argnums_tuple(rng_argnums, "rng_argnums"),
-      state_argnums=state, has_aux=has_aux, weight_fn=weight_fn, aux_reduction=aux_reduction,
-      grad_reduction=grad_reduction, split=split, pad_batch=pad_batch,
-      accumulator_dtype=_core.canonicalize_accumulator_dtype(accumulator_dtype),
-      skip_nonfinite=_skip_mode(skip_nonfinite) is not False,
-      skip_step=_skip_mode(skip_nonfinite) == "step", mesh=mesh, data_axis=data_axis,
-      param_sharding=param_sharding, gather=gather,
-      gather_dtype=_transport_dtype(gather_dtype, "gather_dtype"),
-      reduce_dtype=_transport_dtype(reduce_dtype, "reduce_dtype"),
-      return_info=return_info, gradient_noise=bool(gradient_noise),
-      gradient_dtype=_gradient_dtype(gradient_dtype),
+      num_microbatches=n, argnums=diff, single_argnum=isinstance(o["argnums"], numbers.Integral),
+      batch_argnums=batch, rng_argnums=argnums_tuple(o["rng_argnums"], "rng_argnums"),
+      state_argnums=state, has_aux=o["has_aux"], weight_fn=o["weight_fn"],
+      aux_reduction=o["aux_reduction"], reduction=o["reduction"], split=dp.split,
+      pad_batch=False,
+      accumulator_dtype=_core.canonicalize_accumulator_dtype(o["accumulator_dtype"]),
+      skip_nonfinite=skip is not False, skip_step=skip == "step", mesh=dp.mesh,
+      data_axis=dp.data_axis, param_sharding=dp.param_sharding,
+      gather="per_microbatch" if dp.gather is None else dp.gather,
+      gather_dtype=_transport_dtype(dp.gather_dtype, "gather_dtype"),
+      reduce_dtype=_transport_dtype(dp.reduce_dtype, "reduce_dtype"),
+      return_info=o["return_info"], gradient_noise=bool(o["gradient_noise"]),
+      gradient_dtype=_gradient_dtype(o["gradient_dtype"]),
   )
   _check_roles(options.roles())
   _check_choices(options)
@@ -223,10 +318,9 @@ def _gradient_dtype(dtype: Any) -> Any:
 def _check_sharding_options(options: Options) -> None:
   if options.gather not in _sharding.GATHERS:
     raise ValueError(
-        f"gather={options.gather!r} is not one of {_sharding.GATHERS}: 'per_microbatch'"
-        " reduce-scatters each microbatch's gradient into a sharded accumulator (FSDP);"
-        " 'once' gathers the sharded parameters before the loop and reduce-scatters once"
-        " after it (a full-size accumulator, fewer collectives)."
+        f"DataParallel(gather={options.gather!r}) is not one of {_sharding.GATHERS}:"
+        " 'per_microbatch' reduce-scatters each microbatch's gradient (FSDP), 'once'"
+        " gathers the parameters before the loop and reduce-scatters after it."
     )
   given = [
       f"{name}={value!r}" for name, value, default in (
@@ -238,8 +332,8 @@ def _check_sharding_options(options: Options) -> None:
   ]
   if given and not options.data_parallel:
     raise ValueError(
-        f"{given[0]} says how gradients cross devices, but there is no mesh: pass"
-        " mesh= and data_axis= (or data_axis= under jax.set_mesh)."
+        f"DataParallel({given[0]}) says how gradients cross devices, but names no mesh:"
+        " give it mesh= and data_axis= (or data_axis= under jax.set_mesh)."
     )
 
 
@@ -282,15 +376,13 @@ def _check_aux_reduction(options: Options) -> None:
 def _bad_grad_reduction(where: str, value: Any, option: str) -> ValueError:
   return ValueError(
       f"{_named(option, where, value)} is not one of {GRAD_REDUCTIONS}: 'mean' (the"
-      " default) and 'sum' are the weighted mean and sum of the gradients, 'max' and"
-      " 'last' keep the largest, or the last kept, of the values given for a leaf,"
-      " unweighted (statistics such as FP8 amax histories). Pass one of them, a pytree"
-      " prefix of the gradient with them (or None) at its leaves, or a callable"
-      " (path, leaf) returning one or None."
+      " default) and 'sum' weigh the gradients, 'max' and 'last' keep one value of an"
+      " FP8 statistic. Pass one of them, a pytree prefix of the gradient with them (or"
+      " None) at its leaves, or a callable (path, leaf) returning one or None."
   )
 
 
-def check_grad_reduction(spec: Any, option: str = "grad_reduction") -> None:
+def check_grad_reduction(spec: Any, option: str = "reduction") -> None:
   """What can be checked of a per-leaf reduction spec before the gradient's tree is known."""
   if callable(spec):
     return
@@ -335,8 +427,8 @@ def _overwritten(path: Any) -> bool:
   )
 
 
-def grad_reductions(spec: Any, grads: Any, option: str = "grad_reduction") -> tuple[str, ...]:
-  """How each gradient leaf combines (``grad_reduction=``, ``accumulate``'s ``reduction=``).
+def grad_reductions(spec: Any, grads: Any, option: str = "reduction") -> tuple[str, ...]:
+  """How each gradient leaf combines (``reduction=``, ``accumulate``'s ``reduction=``).
 
   ``spec`` is None, a string, a pytree prefix of ``grads`` with strings or None
   at its leaves, or a callable ``(path, leaf)`` returning a string or None.
@@ -344,7 +436,7 @@ def grad_reductions(spec: Any, grads: Any, option: str = "grad_reduction") -> tu
   collection (any key named ``_overwrite_with_gradient`` on the path), whose
   "gradient" is the new amax history or scale. That default yields only to an
   entry placed at or below the collection (or a callable, which sees every
-  leaf's path): ``grad_reduction="sum"`` sums the gradients and keeps the FP8
+  leaf's path): ``reduction="sum"`` sums the gradients and keeps the FP8
   statistics exact.
   """
   flat = jax.tree_util.tree_flatten_with_path(grads)[0]
@@ -376,17 +468,11 @@ def grad_reductions(spec: Any, grads: Any, option: str = "grad_reduction") -> tu
 def _check_choices(options: Options) -> None:
   _check_sharding_options(options)
   _check_aux_reduction(options)
-  check_grad_reduction(options.grad_reduction)
-  if options.pad_batch and options.weight_fn is None:
-    raise ValueError(
-        "pad_batch=True needs weight_fn: the rows of zeros it appends must count for"
-        " nothing, so pass a weight_fn that gives them zero weight, e.g."
-        " weight_fn=lambda batch: batch['mask'].sum()."
-    )
+  check_grad_reduction(options.reduction)
   if options.split not in _batching.SPLITS:
     raise ValueError(
-        f"split={options.split!r} is not one of {_batching.SPLITS}: 'contiguous' makes"
-        " microbatch i of consecutive rows, 'strided' of rows i, i + N, i + 2N, ..."
+        f"DataParallel(split={options.split!r}) is not one of {_batching.SPLITS}:"
+        " 'contiguous' makes microbatch i of consecutive rows, 'strided' of rows i, i + N, ..."
     )
   if options.gradient_noise and not options.return_info:
     raise ValueError(

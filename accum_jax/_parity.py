@@ -227,46 +227,14 @@ def check_parity(
 ) -> ParityReport:
   """Compares :func:`accum_jax.value_and_grad` with the full-batch gradient.
 
-  Runs (compiled, outside any ``jax.jit`` of yours) ``jax.value_and_grad(fun,
-  argnums, has_aux)`` on the whole batch and ``accum_jax.value_and_grad(fun,
-  num_microbatches, **options)`` on the same batch, and compares the loss and
-  each gradient leaf. Aux values and threaded state are not compared: their
-  reductions are chosen by you. The whole batch must fit in memory: check on a
-  batch as large as fits, with the options of the real step.
-
-  Under ``mesh=``, the microbatched step runs as it would in training, the
-  parameters' shardings read from the arrays (FSDP, HSDP) unless
-  ``param_sharding=`` is given, and the reference runs on one device.
-
-  A leaf passes when ``max |micro - full| <= atol + rtol * max |full|``. The
-  default ``rtol`` depends on the leaf's dtype: ``max(1e-5, 4 * eps)``, that is
-  1e-5 for float32 (summing in another order leaves float32 gradients a few
-  ``eps`` apart), 3.9e-3 for float16 and 3.1e-2 for bfloat16.
-
-  Where parity fails, :attr:`ParityReport.hints` names the causes recognised:
-
-  - A loss that averages over valid elements (a mask) while the microbatches
-    hold different numbers of them: the mean of the microbatch means is not the
-    full mean. Without ``weight_fn``, batch leaves named like masks (``mask``,
-    ``valid``, ``padding``, ``weight``), boolean leaves, and arrays of zeros and
-    ones whose per-microbatch sums differ are tried, up to two, as
-    ``weight_fn``; the hint gives the ``weight_fn`` that restores parity (or
-    says that weighting by a mask-named leaf was not enough).
-  - ``state_argnums`` (or an aux holding ``batch_stats``): BatchNorm normalises
-    each microbatch with its own statistics, which differ from the full
-    batch's by design.
-  - ``rng_argnums``: microbatch ``i`` draws with ``fold_in(key, i)``, so dropout
-    masks differ from the full-batch draw by design; a PRNG key argument not
-    in ``rng_argnums`` repeats one draw in every microbatch.
-  - A non-finite loss or gradient: by default (``skip_nonfinite="step"``) the
-    step skipped whole, with the microbatches whose loss is not finite named
-    (or, where every loss is finite, those whose gradient is not counted);
-    with ``skip_nonfinite="microbatch"``, the microbatches left out; and a
-    full-batch result that is itself not finite.
-  - Under a mesh, ``gather_dtype`` or ``reduce_dtype`` narrower than the
-    parameters: rounding by design.
-  - Otherwise, a deviation within 100 times the default ``rtol``, which may be
-    round-off; and what microbatching assumes of the loss.
+  Runs ``jax.value_and_grad`` on the whole batch and ``accum_jax.value_and_grad``
+  with the step's options on the same batch (the whole batch must fit: check on
+  a batch as large as fits), and compares the loss and each gradient leaf: a
+  leaf passes when ``max |micro - full| <= atol + rtol * max |full|``. Where
+  parity fails, :attr:`ParityReport.hints` names the causes it recognises (a
+  masked mean without ``weight_fn``, with the one that restores parity;
+  BatchNorm; dropout keys; non-finite steps; narrow transport dtypes). See the
+  guide: :doc:`/planner_parity`.
 
   Args:
     fun: the loss function, as for :func:`accum_jax.value_and_grad`.
@@ -275,16 +243,11 @@ def check_parity(
     rtol: relative tolerance per leaf against its largest entry; None for
       ``max(1e-5, 4 * eps)`` of each leaf's dtype.
     atol: absolute tolerance.
-    **value_and_grad_options: the options of :func:`accum_jax.value_and_grad`
-      (``argnums``, ``batch_argnums``, ``has_aux``, ``weight_fn``,
-      ``rng_argnums``, ``state_argnums``...), as the step uses them.
+    **value_and_grad_options: the options of :func:`accum_jax.value_and_grad`,
+      as the step uses them.
 
   Returns:
     A :class:`ParityReport`.
-
-  Raises:
-    ValueError: for a negative or non-finite tolerance, and what
-      :func:`accum_jax.value_and_grad` raises for its arguments.
 
   Examples:
     >>> import jax.numpy as jnp, accum_jax
@@ -294,16 +257,16 @@ def check_parity(
     >>> w = jnp.ones(3)
     >>> batch = {"x": jnp.arange(24.0).reshape(8, 3) / 24, "y": jnp.zeros(8),
     ...          "mask": jnp.array([1.0, 1, 1, 0, 1, 1, 1, 1])}
-    >>> report = accum_jax.check_parity(loss, w, batch, num_microbatches=4)
+    >>> report = accum_jax.diagnostics.check_parity(loss, w, batch, num_microbatches=4)
     >>> report.ok
     False
     >>> print(report.hints[0])  # doctest: +ELLIPSIS
     The loss looks like a mean over the valid elements of batch['mask'], ...
-    >>> accum_jax.check_parity(loss, w, batch, num_microbatches=4,
+    >>> accum_jax.diagnostics.check_parity(loss, w, batch, num_microbatches=4,
     ...                        weight_fn=lambda batch: batch["mask"].sum()).ok
     True
   """
-  _options.make(num_microbatches, **value_and_grad_options)  # checks the options once
+  _options.make(num_microbatches, caller="check_parity", **value_and_grad_options)
   atol = _check_tolerance("atol", atol)
   if rtol is not None:
     rtol = _check_tolerance("rtol", rtol)
@@ -313,7 +276,7 @@ def check_parity(
   # parameters are sharded: read it here, so that the mode checked is the
   # step's (FSDP, HSDP), not the replicated one.
   if (param_sharding := _planner.read_param_sharding(args, options)) is not None:
-    options["param_sharding"] = param_sharding
+    options = _planner.with_data_parallel(options, param_sharding=param_sharding)
   argnums = options.get("argnums", 0)
   if not isinstance(argnums, numbers.Integral):
     argnums = _options.argnums_tuple(argnums, "argnums")
@@ -341,8 +304,9 @@ def check_parity(
   hints: list[str] = []
   if not ok:
     num_shards = 1
-    if options.get("mesh") is not None or options.get("data_axis") is not None:
-      mesh, axes = _sharding.resolve_mesh(options.get("mesh"), options.get("data_axis"))
+    dp = _planner.data_parallel(options)
+    if dp.mesh is not None or dp.data_axis is not None:
+      mesh, axes = _sharding.resolve_mesh(dp.mesh, dp.data_axis)
       num_shards = _sharding.num_shards(mesh, axes)
     hints = _diagnose(
         args=args,
@@ -623,7 +587,7 @@ def _mean_of_means_hints(
   hints = []
   num_parts = num_microbatches * num_shards
   where = f" ({num_microbatches} on each of {num_shards} devices)" if num_shards > 1 else ""
-  split = options.get("split", "contiguous")
+  split = _planner.data_parallel(options).split
   candidates = _mask_candidates(args, batch_nums, num_microbatches, num_shards, split)
   for position, index, path, sums in candidates[:_MAX_WEIGHT_TRIALS]:
 

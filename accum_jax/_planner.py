@@ -226,6 +226,16 @@ def _bind(args: tuple[Any, ...], options: Mapping[str, Any]) -> _call.Call:
     ) from e
 
 
+def data_parallel(options: Mapping[str, Any]) -> _options.DataParallel:
+  """The ``data_parallel=`` of ``value_and_grad(**options)``."""
+  return options.get("data_parallel") or _options.DataParallel()
+
+
+def with_data_parallel(options: Mapping[str, Any], **changes: Any) -> dict[str, Any]:
+  """``options`` with their ``data_parallel=`` changed as ``changes`` say."""
+  return {**options, "data_parallel": dataclasses.replace(data_parallel(options), **changes)}
+
+
 def read_param_sharding(args: tuple[Any, ...], options: Mapping[str, Any]) -> Any:
   """``param_sharding=`` for ``value_and_grad(**options)`` called on ``args``.
 
@@ -235,8 +245,9 @@ def read_param_sharding(args: tuple[Any, ...], options: Mapping[str, Any]) -> An
   Under ``jax.jit`` with automatic axes the traced function cannot read them
   itself. None without a mesh.
   """
-  given = options.get("param_sharding")
-  if given is not None or (options.get("mesh") is None and options.get("data_axis") is None):
+  dp = data_parallel(options)
+  given = dp.param_sharding
+  if given is not None or (dp.mesh is None and dp.data_axis is None):
     return given
   params = _call.diff_args(_options.make(1, **options), args)
   return jax.tree.map(lambda x: _sharding.spec_of(x), params)
@@ -250,12 +261,11 @@ def _gathers(
   if call.mesh is None:
     return (None,)
   params = _call.diff_args(_options.make(1, **options), args)
-  plan = _sharding.plan(
-      call.mesh, call.data_axes, params, param_sharding=options.get("param_sharding")
-  )
+  dp = data_parallel(options)
+  plan = _sharding.plan(call.mesh, call.data_axes, params, param_sharding=dp.param_sharding)
   if not plan.sharded:
     return (None,)
-  return (options["gather"],) if "gather" in options else _GATHERS
+  return _GATHERS if dp.gather is None else (dp.gather,)
 
 
 def _first_fit(estimate: Callable[[int], int], ordered: list[int], budget: int) -> int | None:
@@ -287,13 +297,10 @@ def _search(
   return None if best is None else (best[1], ordered[best[0]])
 
 
-def _check_candidates(
-    candidates: Iterable[Any] | None, local_batch: int, pad_batch: bool
-) -> list[int]:
+def _check_candidates(candidates: Iterable[Any] | None, local_batch: int) -> list[int]:
   divisors = _batching.divisors(local_batch)
   if candidates is None:
-    # With pad_batch any number of microbatches up to the batch size works.
-    return list(range(1, local_batch + 1)) if pad_batch else divisors
+    return divisors
   try:
     listed = list(candidates)
   except TypeError as e:
@@ -310,11 +317,10 @@ def _check_candidates(
         f"candidates={listed!r}: {not_ints} are not ints >= 1. Choose among the divisors"
         f" of the batch size {local_batch} (per device): {divisors}."
     )
-  if not_divisors := [c for c in listed if local_batch % c and not pad_batch]:
+  if not_divisors := [c for c in listed if local_batch % c]:
     raise ValueError(
         f"candidates={listed!r}: {not_divisors} do not divide the batch size {local_batch}"
-        f" (per device) into equal microbatches. Choose among its divisors {divisors}, or"
-        " pass pad_batch=True (with a weight_fn) to pad the batch to a multiple."
+        f" (per device) into equal microbatches. Choose among its divisors {divisors}."
     )
   return sorted({int(c) for c in listed})
 
@@ -372,10 +378,11 @@ def plan_microbatches(
     ...   return jnp.mean((hidden @ params["w2"] - batch["y"]) ** 2)
     >>> params = {"w1": jnp.ones((4, 256)), "w2": jnp.ones((256, 1))}
     >>> batch = {"x": jnp.ones((512, 4)), "y": jnp.ones((512, 1))}
-    >>> roomy = accum_jax.plan_microbatches(loss, params, batch, memory_budget_bytes=2**30)
+    >>> plan = accum_jax.diagnostics.plan_microbatches
+    >>> roomy = plan(loss, params, batch, memory_budget_bytes=2**30)
     >>> roomy.num_microbatches
     1
-    >>> tight = accum_jax.plan_microbatches(
+    >>> tight = accum_jax.diagnostics.plan_microbatches(
     ...     loss, params, batch, memory_budget_bytes=roomy.estimates[1] // 2)
     >>> tight.num_microbatches > 1
     True
@@ -388,7 +395,7 @@ def plan_microbatches(
         "num_microbatches is what plan_microbatches chooses: drop it from the options"
         " (limit the choice with candidates=[...] instead)."
     )
-  _options.make(1, **value_and_grad_options)  # checks the options once, before any compile
+  _options.make(1, caller="plan_microbatches", **value_and_grad_options)
   if memory_budget_bytes is None:
     budget = _default_budget()
   else:
@@ -396,15 +403,15 @@ def plan_microbatches(
   call = _bind(args, value_and_grad_options)
   options = dict(value_and_grad_options)
   if (param_sharding := read_param_sharding(args, options)) is not None:
-    options["param_sharding"] = param_sharding
+    options = with_data_parallel(options, param_sharding=param_sharding)
   gathers = _gathers(call, args, options)
-  ordered = _check_candidates(candidates, call.rows, bool(options.get("pad_batch", False)))
+  ordered = _check_candidates(candidates, call.rows)
 
   estimates: dict[tuple[str | None, int], int] = {}
 
   def estimate(gather: str | None, n: int) -> int:
     if (gather, n) not in estimates:
-      with_gather = options if gather is None else {**options, "gather": gather}
+      with_gather = options if gather is None else with_data_parallel(options, gather=gather)
       estimates[gather, n] = _estimate_bytes(fun, n, args, with_gather)
     return estimates[gather, n]
 

@@ -144,7 +144,7 @@ def abstract_tree(tree: Any, params: Any) -> Any:
     >>> def create_state():  # a training state: parameters, optimizer state, counter
     ...   p = {"w": jnp.zeros((8, 2))}
     ...   return {"params": p, "opt_state": tx.init(p), "step": jnp.zeros((), jnp.int32)}
-    >>> target = accum_jax.abstract_tree(jax.eval_shape(create_state), params)
+    >>> target = accum_jax.checkpoint.abstract_tree(jax.eval_shape(create_state), params)
     >>> target["params"]["w"].sharding.spec, target["opt_state"].acc_grads["w"].sharding.spec
     (P('data',), P('data',))
     >>> target["step"].sharding.spec
@@ -202,7 +202,7 @@ def abstract_state(opt: _HasInit, params: Any) -> Any:
     >>> params = {"w": jax.ShapeDtypeStruct((8, 2), jnp.float32,
     ...                                     sharding=NamedSharding(mesh, P("data")))}
     >>> opt = accum_jax.accumulate(optax.adam(1e-3), every_k=4)
-    >>> target = accum_jax.abstract_state(opt, params)
+    >>> target = accum_jax.checkpoint.abstract_state(opt, params)
     >>> target.inner_opt_state[0].mu["w"].sharding.spec
     P('data',)
     >>> target.mini_step.sharding.spec

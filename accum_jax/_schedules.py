@@ -37,7 +37,7 @@ def check_every_k(every_k: Any, name: str) -> EveryKSchedule:
   return lambda optimizer_step: k
 
 
-def every_k_schedule(
+def piecewise_every_k(
     boundaries: Mapping[int, int],
 ) -> EveryKSchedule:
   """A piecewise-constant window length: ``{optimizer_step: k}``.
@@ -55,7 +55,7 @@ def every_k_schedule(
 
   Examples:
     >>> import jax.numpy as jnp, accum_jax
-    >>> schedule = accum_jax.every_k_schedule({0: 1, 10: 4, 100: 8})
+    >>> schedule = accum_jax.piecewise_every_k({0: 1, 10: 4, 100: 8})
     >>> [int(schedule(jnp.int32(s))) for s in (0, 9, 10, 99, 100, 5000)]
     [1, 1, 4, 4, 8, 8]
   """
@@ -103,7 +103,7 @@ class NoiseScaleSchedule(NamedTuple):
 
   Examples:
     >>> import accum_jax
-    >>> schedule = accum_jax.noise_scale_every_k(8, k_max=32)
+    >>> schedule = accum_jax.noise.noise_scale_every_k(8, k_max=32)
     >>> schedule.k_min, schedule.k_max, schedule.monotone
     (2, 32, True)
   """
@@ -135,8 +135,8 @@ def noise_scale_every_k(
 ) -> NoiseScaleSchedule:
   """``every_k`` for :func:`accumulate` that follows the gradient noise scale.
 
-  The state keeps a :class:`accum_jax.NoiseScaleEMA` of each window's
-  :class:`accum_jax.GradientNoise`; when a window is applied, the next one's
+  The state keeps a :class:`accum_jax.noise.NoiseScaleEMA` of each window's
+  :class:`accum_jax.noise.GradientNoise`; when a window is applied, the next one's
   length becomes ``k = clip(round(B_simple / microbatch_size), k_min, k_max)``
   (never less than before with ``monotone``): a batch-size warm-up that follows
   the critical batch size as training finds it. ``k`` is a traced value, so a
@@ -159,7 +159,7 @@ def noise_scale_every_k(
   Examples:
     >>> import optax, accum_jax
     >>> opt = accum_jax.accumulate(
-    ...     optax.adam(1e-3), every_k=accum_jax.noise_scale_every_k(32, k_max=16))
+    ...     optax.adam(1e-3), every_k=accum_jax.noise.noise_scale_every_k(32, k_max=16))
   """
   if not float(microbatch_size) > 0:
     raise ValueError(

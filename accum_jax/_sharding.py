@@ -312,21 +312,14 @@ def warn_hidden(
   count = len(plan.hidden)
   it, is_, them = ("it", "is", "it") if count == 1 else ("they", "are", "them")
   warnings.warn(
-      f"accum_jax cannot see how {_leaves(where, count)} {is_} sharded: under jax.jit a"
-      " traced array's type carries its sharding only over explicit mesh axes (not"
-      f" automatic ones, nor for an array placed on no mesh), so {it} {is_} taken as"
-      " replicated over the data axes"
-      f" {plan.axes} (a local sum on each device, one all-reduce after the loop, as data"
-      f" parallelism wants). If {it} {is_} in fact sharded over them (FSDP, HSDP), each"
-      f" device holds a full-size {'/'.join(dtypes)} accumulator of {them} ({_size(nbytes)}"
-      f" here, where a sharded one holds as little as 1/{plan.num_shards} of that) and the"
-      " gradient comes back replicated. To fix it, pass param_sharding= with the"
-      " parameters' PartitionSpecs (param_sharding=P() for replicated parameters, which"
-      " also silences this warning); or use explicit mesh axes"
-      " (jax.make_mesh(..., axis_types=(AxisType.Explicit,) * k), the parameters placed"
-      " with jax.device_put or jax.sharding.reshard, the step traced under"
-      " jax.set_mesh(mesh)), whose types carry the shardings; or call the step eagerly,"
-      " without jax.jit, where the arrays say how they are sharded.",
+      f"accum_jax cannot see how {_leaves(where, count)} {is_} sharded under jax.jit, so"
+      f" {it} {is_} taken as replicated over the data axes {plan.axes}: if {it} {is_}"
+      f" sharded over them (FSDP), each device holds a full-size {'/'.join(dtypes)}"
+      f" accumulator of {them} ({_size(nbytes)} here, where a sharded one holds as little"
+      f" as 1/{plan.num_shards} of that) and the gradient comes back replicated. Give"
+      " DataParallel(param_sharding=...) the parameters' PartitionSpecs"
+      " (param_sharding=P() for replicated parameters, which also silences this warning),"
+      " use explicit mesh axes (AxisType.Explicit), or call the step eagerly.",
       UnknownShardingWarning, stacklevel=_caller_stacklevel(),
   )
 

@@ -1,6 +1,6 @@
 """The state of :func:`accum_jax.accumulate` and the functions that read it.
 
-The readers (:func:`has_updated`, :func:`optimizer_step`, :func:`gradient_noise`)
+The readers (:func:`has_updated`, :func:`optimizer_step`, :func:`last_window`)
 find the one :class:`AccumulationState` inside whatever holds it: an ``optax.chain``
 state, a Flax ``TrainState``, an ``nnx.Optimizer``.
 """
@@ -168,8 +168,8 @@ def optimizer_step(state: Any) -> jax.Array:
   return jnp.asarray(find_state(state, "optimizer_step").optimizer_step)
 
 
-def gradient_noise(state: Any) -> _noise.GradientNoise:
-  """The :class:`accum_jax.GradientNoise` of the last applied window.
+def last_window(state: Any) -> _noise.GradientNoise:
+  """The :class:`accum_jax.noise.GradientNoise` of the last applied window.
 
   Args:
     state: as for :func:`has_updated`, of an ``accumulate(...,
@@ -186,16 +186,16 @@ def gradient_noise(state: Any) -> _noise.GradientNoise:
     >>> state = opt.init(params)
     >>> for g in (1.0, 3.0):
     ...   _, state = opt.update({"w": jnp.array([g])}, state, params)
-    >>> noise = accum_jax.gradient_noise(state)  # calls of 1 and 3: mean 2, spread 2
+    >>> noise = accum_jax.noise.last_window(state)  # calls of 1 and 3: mean 2, spread 2
     >>> float(noise.trace_cov), float(noise.grad_sq)
     (2.0, 3.0)
   """
-  found = find_state(state, "gradient_noise")
+  found = find_state(state, "accum_jax.noise.last_window")
   if isinstance(found.last_noise, tuple) and found.last_noise == ():
     raise ValueError(
-        "gradient_noise found an accumulate state that does not measure the noise: build"
-        " it with accum_jax.accumulate(..., gradient_noise=True), or with"
-        " every_k=accum_jax.noise_scale_every_k(...)."
+        "accum_jax.noise.last_window found an accumulate state that does not measure"
+        " the noise: build it with accumulate(..., gradient_noise=True), or with"
+        " every_k=accum_jax.noise.noise_scale_every_k(...)."
     )
   # jnp.asarray unwraps the nnx.Variables of an nnx.Optimizer's state.
   return _noise.GradientNoise(*(jnp.asarray(x) for x in found.last_noise))

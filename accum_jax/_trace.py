@@ -46,7 +46,7 @@ class Shapes(NamedTuple):
 
   @property
   def value_kind(self) -> str:
-    """"sum" when every gradient leaf sums (a summed loss, ``grad_reduction="sum"``):
+    """"sum" when every gradient leaf sums (a summed loss, ``reduction="sum"``):
     the value is then the batch's sum, as the gradient is; else "mean"."""
     sums = [k for k in self.grad_kinds or () if not _core.is_statistic(k)]
     return "sum" if sums and all(k == "sum" for k in sums) else "mean"

@@ -190,7 +190,7 @@ def _sharded_like(tree: Any, params: Any) -> Any:
   come out replicated: Adam's moments of FSDP-sharded parameters would cost every
   device the whole model. A leaf belongs to a parameter when its key path ends
   with the parameter's and it has the parameter's shape (the rule of
-  :func:`accum_jax.abstract_state`); it gets the parameter's sharding: placed
+  :func:`accum_jax.checkpoint.abstract_state`); it gets the parameter's sharding: placed
   there (concrete arrays), resharded (explicit sharding), or, with automatic
   sharding, by adding zeros made from the parameter (:func:`_core.zeros_like`),
   whose sharding XLA then propagates to it.
@@ -652,46 +652,29 @@ def accumulate(
     inner: the optimizer to run on the accumulated gradient, any Optax
       ``GradientTransformation`` or chain.
     every_k: calls per update, an int >= 1, or a schedule from the optimizer
-      step to the number of calls (:func:`accum_jax.every_k_schedule`,
-      :func:`accum_jax.noise_scale_every_k`).
-    reduction: ``"mean"`` (default) divides the accumulated gradient by the
-      total weight; ``"sum"`` passes the weighted sum; ``"max"`` and ``"last"``
-      pass the largest, or the last kept call's, value of a leaf (unweighted: a
-      statistic, not a gradient). One for every leaf, a pytree prefix of the
-      gradient with them (or None) at its leaves, or a callable ``(path, leaf)``
-      returning one or None, as ``grad_reduction`` of
-      :func:`accum_jax.value_and_grad`; Flax's FP8 statistics
-      (``_overwrite_with_gradient``) are "max" unless named. See
+      step to the number of calls (:func:`accum_jax.piecewise_every_k`,
+      :func:`accum_jax.noise.noise_scale_every_k`).
+    reduction: how each leaf combines: ``"mean"`` (default), ``"sum"``,
+      ``"max"`` or ``"last"``, a pytree prefix of them, or a callable ``(path,
+      leaf)``, as in :func:`accum_jax.value_and_grad`; see
       :doc:`/guides/leaf_reductions`.
-    accumulator_dtype: the least precision of the running sum (float32 by
-      default); None keeps the gradients' dtype.
-    skip_nonfinite: ``"window"`` (default): a window whose sum (or ``value``)
-      holds NaN or Inf when it is applied is skipped whole, its calls counted in
-      ``state.num_skipped``, at no cost per call; ``"call"``: each call is
-      checked (a reduction) and a bad one skipped alone; ``False``: no check.
+    accumulator_dtype: the least precision of the running sum (float32); None
+      keeps the gradients' dtype.
+    skip_nonfinite: ``"window"`` (default: a window whose sum holds NaN or Inf
+      is skipped whole when applied, its calls counted in ``num_skipped``),
+      ``"call"`` (each call checked) or False.
     gradient_noise: estimate the gradient noise from the calls' gradients, read
-      with :func:`accum_jax.gradient_noise`.
-    layout: ``"tree"`` (default) keeps the window's sum as the gradient's tree,
-      sharded like the parameters; ``"flat"`` as one vector per accumulator dtype,
-      so that a call that only accumulates runs one concatenating add and one
-      finiteness check whatever the number of leaves (on a GPU, where each kernel
-      costs 10-15 us, the cheaper for many small leaves). The flat layout refuses
-      parameters sharded over a mesh axis and statistics leaves ("max", "last").
+      with :func:`accum_jax.noise.last_window`.
+    layout: ``"tree"`` (default) or ``"flat"`` (the window's sum as one vector
+      per dtype: one add per call whatever the number of leaves); see
+      :doc:`/guides/gpu`.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose ``update(grads, state,
     params=None, *, weight=None, flush=False, apply=None, **extra_args)`` takes a
-    scalar ``weight`` for this call; ``apply`` (a Python bool) for the host to end
-    the window (``True``) or only add (``False``); without it, ``flush`` to update
-    now with what the window holds. Other keyword arguments reach ``inner`` on the
-    updating call (``value`` and ``grad`` as the window's). Call it under
-    ``jax.jit``: eagerly, every call compiles anew.
-
-  Raises:
-    ValueError: for bad options; at trace time, for gradients whose tree or
-      shapes differ from the parameters', a non-scalar ``weight`` or ``value``,
-      a ``flush`` that is not a bool scalar, or an ``apply`` that is not a
-      Python bool (or comes with ``flush=True``).
+    scalar ``weight``, ``apply`` (a Python bool: the host ends the window, or
+    only adds) or ``flush`` (update now); other keyword arguments reach
+    ``inner`` on the updating call. Call it under ``jax.jit``.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, accum_jax

@@ -46,10 +46,10 @@ __all__ = ("filter_grad", "filter_value_and_grad")
 # Options of accum_jax.value_and_grad that the Equinox front end sets itself.
 _FIXED_OPTIONS = {
     "argnums": "it differentiates the floating-point arrays of the first argument, as"
-    " eqx.filter_value_and_grad does: gather what to differentiate into one pytree"
-    " (e.g. a tuple) and pass it first",
-    "state_argnums": "an eqx.nn.State argument is found and threaded by itself: pass"
-    " the State positionally and return it in aux",
+    " eqx.filter_value_and_grad does; gather what to differentiate into one pytree"
+    " and pass it first.",
+    "state_argnums": "an eqx.nn.State argument is found and threaded by itself; pass"
+    " the State positionally and return it in aux.",
 }
 
 
@@ -89,9 +89,9 @@ def _is_batch(arg: Any, arrays: Any, static: Any) -> bool:
   )
 
 
-def _argnums(value: int | Sequence[int] | None, name: str) -> tuple[int, ...] | None:
-  """``value`` as a tuple of argument numbers (None stays None: find them)."""
-  if value is None:
+def _argnums(value: Any, name: str, find: Any = None) -> tuple[int, ...] | None:
+  """``value`` as a tuple of argument numbers; None where it is ``find``: found per call."""
+  if value is find:
     return None
   nums = _options.argnums_tuple(value, name)
   if 0 in nums:
@@ -225,12 +225,17 @@ def _parse(
         "num_microbatches is missing: pass the number of microbatches, an int >= 1 that"
         " divides the batch, e.g. filter_value_and_grad(loss_fn, num_microbatches=4)."
     )
-  for fixed, why in _FIXED_OPTIONS.items():
-    if fixed in options:
-      raise ValueError(f"filter_value_and_grad got {fixed}={options[fixed]!r}, but {why}.")
+  _options.make(
+      num_microbatches, caller="filter_value_and_grad", refused=_FIXED_OPTIONS, **options
+  )
+  if isinstance(rng_argnums, str) and rng_argnums != "auto":
+    raise ValueError(
+        f"rng_argnums={rng_argnums!r} is not 'auto' (find the PRNG keys), None (fold"
+        " none) or argument numbers."
+    )
   return _Parsed(
       num_microbatches, has_aux, _argnums(batch_argnums, "batch_argnums"),
-      _argnums(rng_argnums, "rng_argnums"), weight_fn, dict(options),
+      _argnums(rng_argnums, "rng_argnums", find="auto"), weight_fn, dict(options),
   )
 
 
@@ -321,7 +326,7 @@ def filter_value_and_grad(
     *,
     has_aux: bool = False,
     batch_argnums: int | Sequence[int] | None = None,
-    rng_argnums: int | Sequence[int] | None = None,
+    rng_argnums: int | Sequence[int] | str | None = "auto",
     weight_fn: Callable[..., jax.typing.ArrayLike] | None = None,
     **options: Any,
 ) -> Callable[..., Any]:
@@ -343,18 +348,13 @@ def filter_value_and_grad(
     has_aux: ``fun`` returns ``(loss, aux)``; needed with an ``eqx.nn.State``.
     batch_argnums: which positional arguments are batches, in ``fun``'s
       numbering (never 0, the model); None finds them.
-    rng_argnums: which positional arguments hold PRNG keys; None finds them,
-      ``()`` folds none.
+    rng_argnums: which positional arguments hold PRNG keys: ``"auto"`` (the
+      default) finds them, None folds none.
     weight_fn: maps one microbatch's batch arguments to its scalar weight, as
       for :func:`accum_jax.value_and_grad`.
-    **options: other options of :func:`accum_jax.value_and_grad`, such as
-      ``aux_reduction``, ``accumulator_dtype``, ``mesh``, ``return_info``.
-      ``param_sharding`` (for FSDP under ``eqx.filter_jit``, where the traced
-      arrays cannot say how they are sharded) is a prefix of the model's
-      floating-point arrays, ``eqx.filter(model, eqx.is_inexact_array)``: the
-      model's structure with a ``NamedSharding`` or ``PartitionSpec`` at each
-      such array and None elsewhere, e.g. the tree given to ``eqx.filter_shard``,
-      or one ``PartitionSpec`` for all.
+    **options: the other options of :func:`accum_jax.value_and_grad` but
+      ``argnums`` and ``state_argnums``. A ``DataParallel``'s ``param_sharding``
+      is a prefix of ``eqx.filter(model, eqx.is_inexact_array)``.
 
   Returns:
     A function with ``fun``'s signature returning what

@@ -23,11 +23,12 @@ Linen's FP8 layers need nothing from here either: the leaves of their
 ``_overwrite_with_gradient`` collection (amax histories and scales, whose
 "gradient" is the new value) combine by max over the microbatches by default in
 :func:`accum_jax.value_and_grad` itself, found by the collection's name, so that
-the default holds with or without this module (see ``grad_reduction``).
+the default holds with or without this module (see ``reduction``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import numbers
@@ -158,18 +159,19 @@ def _wrt_predicate(wrt: Any) -> Callable[[Any, Any], bool]:
     ) from e
 
 
+_REFUSED = {
+    "state_argnums": (
+        "the state of every NNX graph-node argument (a model, nnx.Rngs, metrics) is"
+        " threaded through the microbatches already; hold it in an nnx.Variable."
+    ),
+}
+
+
 def _parse(
     fun: Callable[..., Any], num_microbatches: int, argnums: Any, wrt: Any, has_aux: bool,
     batch_argnums: Any, rng_argnums: Any, options: dict[str, Any],
 ) -> _Parsed:
   """Checks the options once, when the function is built."""
-  if "state_argnums" in options:
-    raise ValueError(
-        f"nnx_value_and_grad got state_argnums={options['state_argnums']!r}: the state"
-        " of every NNX graph-node argument (a model, nnx.Rngs, metrics) is threaded"
-        " through the microbatches already. Drop state_argnums, and hold the state"
-        " in an nnx.Module or nnx.Variable passed as an argument."
-    )
   diff_nums = _options.argnums_tuple(argnums, "argnums")
   batch_nums = (
       None if batch_argnums is None else _options.argnums_tuple(batch_argnums, "batch_argnums")
@@ -185,12 +187,7 @@ def _parse(
   roles = {"argnums": diff_nums, "batch_argnums": batch_nums or (), "rng_argnums": rng_nums}
   _options.check_roles({f"{role}={nums}": nums for role, nums in roles.items()})
   wrt_predicate = _wrt_predicate(wrt)
-  # num_microbatches and the options of the core door, checked by the core door
-  # itself, now rather than at the first call.
-  _microbatch.value_and_grad(
-      fun, num_microbatches, argnums=0, batch_argnums=1, state_argnums=2, has_aux=True,
-      **options,
-  )
+  _options.make(num_microbatches, caller="nnx_value_and_grad", refused=_REFUSED, **options)
   return _Parsed(
       num_microbatches, diff_nums, isinstance(argnums, numbers.Integral), batch_nums,
       rng_nums, roles, wrt_predicate, has_aux, dict(options),
@@ -319,10 +316,13 @@ def _core_options(parsed: _Parsed, call: _Call, nodes: _Nodes) -> dict[str, Any]
   else:
     core_argnums = ((n,) if nodes.positions else ()) + plain_diff
   core = dict(parsed.core)
-  if core.get("mesh") is not None or core.get("data_axis") is not None:
+  dp = core.get("data_parallel")
+  if dp is not None and (dp.mesh is not None or dp.data_axis is not None):
     # Under nnx.jit the traced arrays cannot say how they are sharded; the
     # Variables' metadata can.
-    core["param_sharding"] = _core_param_sharding(parsed, call, nodes)
+    core["data_parallel"] = dataclasses.replace(
+        dp, param_sharding=_core_param_sharding(parsed, call, nodes)
+    )
   return dict(
       core, argnums=core_argnums, batch_argnums=call.batch_nums,
       rng_argnums=parsed.rng_nums or None, state_argnums=n + 1, has_aux=True,
@@ -351,7 +351,7 @@ def _is_spec(x: Any) -> bool:
 
 def _mesh_axes(core: dict[str, Any]) -> tuple[str, ...]:
   """The axis names of the mesh the core door runs on: ``mesh=``, else the ambient one."""
-  mesh = core.get("mesh")
+  mesh = core["data_parallel"].mesh
   if mesh is None:
     mesh = jax.sharding.get_abstract_mesh()
   return tuple(mesh.axis_names)
@@ -438,7 +438,7 @@ def _core_param_sharding(parsed: _Parsed, call: _Call, nodes: _Nodes) -> Any:
   an ``nnx.State`` or dict for a graph node); without one, the graph nodes' come
   from their Variables' sharding metadata.
   """
-  given = parsed.core.get("param_sharding")
+  given = parsed.core["data_parallel"].param_sharding
   if _is_spec(given):
     return given
   plain_nums = _plain_diff(parsed, call)

@@ -1,4 +1,4 @@
-"""accum_jax.plan_microbatches: its memory estimates against measured peaks.
+"""accum_jax.diagnostics.plan_microbatches: its memory estimates against measured peaks.
 
 The planner estimates the memory of ``jax.jit(accum_jax.value_and_grad(fun,
 N))`` from XLA's compiled memory analysis, ``argument + output + temp - alias``
@@ -117,9 +117,9 @@ def main(argv: list[str] | None = None) -> int:
       estimates[ordered[max(middle - 1, 0)]] + estimates[ordered[middle]]
   ) // 2
   try:
-    plan = accum_jax.plan_microbatches(loss_fn, *shapes, memory_budget_bytes=budget,
+    plan = accum_jax.diagnostics.plan_microbatches(loss_fn, *shapes, memory_budget_bytes=budget,
                                        candidates=args.ns)
-  except accum_jax.MemoryBudgetError as e:
+  except accum_jax.diagnostics.MemoryBudgetError as e:
     choice = {"memory_budget_bytes": budget, "num_microbatches": None, "error": str(e)}
   else:
     chosen = plan.num_microbatches

@@ -369,14 +369,16 @@ def build(method: str, problem: Problem, n: int) -> tuple[Callable[..., Any], tu
     return hand_written_shard_map(problem, n), problem.sharded
   if method in (FSDP, ONCE):
     gather = "once" if method == ONCE else "per_microbatch"
-    vg = accum_jax.value_and_grad(loss_fn, n, param_sharding=problem.specs, gather=gather,
-                                  **mesh_options)
+    vg = accum_jax.value_and_grad(loss_fn, n,
+        data_parallel=accum_jax.DataParallel(
+            param_sharding=problem.specs, gather=gather), **mesh_options)
     return jax.jit(vg), problem.sharded
   if method == AUTO:
     return jax.jit(accum_jax.value_and_grad(loss_fn, n, **mesh_options)), problem.sharded
   if method == STRIDED:
     def strided(params, batch):
-      return accum_jax.value_and_grad(loss_fn, n, split="strided")(params, batch)
+      return accum_jax.value_and_grad(loss_fn, n,
+          data_parallel=accum_jax.DataParallel(split="strided"))(params, batch)
     return jax.jit(strided), problem.sharded
   if method == DP:
     return jax.jit(accum_jax.value_and_grad(loss_fn, n, **mesh_options)), problem.replicated
@@ -683,8 +685,9 @@ def build_explicit(layout: str, method: str, problem: Problem,
   if method == X_REPLICATED:
     return jax_replicated_recipe(problem, n), args
   gather = "once" if method == X_ONCE else "per_microbatch"
-  return jax.jit(accum_jax.value_and_grad(loss_fn, n, mesh=problem.mesh, data_axis="data",
-                                          gather=gather)), args
+  return jax.jit(accum_jax.value_and_grad(loss_fn, n,
+      data_parallel=accum_jax.DataParallel(
+          mesh=problem.mesh, data_axis="data", gather=gather))), args
 
 
 def run_explicit(args: argparse.Namespace) -> int:

@@ -5,7 +5,7 @@ Their spread is the gradient noise; ``gradient_noise=True`` turns it into unbias
 estimates of ``|G|^2`` (the true gradient's squared norm) and ``tr(Sigma)`` (the trace
 of the per-example gradient covariance), and ``B_simple = tr(Sigma) / |G|^2`` is the
 batch size past which a larger batch buys little (McCandlish et al. 2018). One step's
-estimate is noisy; a :class:`accum_jax.NoiseScaleEMA` averages both over steps and takes
+estimate is noisy; a :class:`accum_jax.noise.NoiseScaleEMA` averages both over steps and takes
 the ratio of the averages::
 
   vg = accum_jax.value_and_grad(loss, n, gradient_noise=True, return_info=True)
@@ -165,7 +165,7 @@ def train(name, data, budget, seed, schedule, bar):
   (x_train, y_train), _ = data
   params = init_params(seed)
   opt_state = OPTIMIZER.init(params)
-  ema = accum_jax.NoiseScaleEMA.create(EMA_DECAY)
+  ema = accum_jax.noise.NoiseScaleEMA.create(EMA_DECAY)
   sampler = Sampler(x_train, y_train, seed + 1)
   record = []
   examples, n, b_ema = 0, schedule(math.nan, None), math.nan

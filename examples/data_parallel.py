@@ -184,8 +184,9 @@ def main():
   opt_state = jax.device_put(optimizer.init(params), replicated)
   steps_by_name = {
       "accum_jax": make_train_step(
-          accum_jax.value_and_grad(loss_fn, num_microbatches, mesh=mesh, data_axis="data",
-                                   param_sharding=P()),
+          accum_jax.value_and_grad(loss_fn, num_microbatches,
+              data_parallel=accum_jax.DataParallel(
+                  mesh=mesh, data_axis="data", param_sharding=P())),
           optimizer),
       "plain scan": make_train_step(
           plain_scan_value_and_grad(loss_fn, num_microbatches, mesh), optimizer),

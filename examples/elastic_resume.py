@@ -9,7 +9,7 @@ parameter's largest axis is split over the devices, and so is each batch.
      from the same start, it trains 6 calls (1 window and 2 of the next 4 calls)
      and saves the ``TrainState`` with Orbax.
   2. A fresh process with 4 devices builds the restore target for its own mesh with
-     ``accum_jax.abstract_tree`` (each parameter, its Adam moments and its slot of
+     ``accum_jax.checkpoint.abstract_tree`` (each parameter, its Adam moments and its slot of
      the accumulator sharded like the parameter; counters replicated), restores,
      and trains the last 6 calls.
 
@@ -122,7 +122,7 @@ def save_phase(directory: Path) -> None:
   params = jax.device_put(variables["params"], jax.tree.map(lambda t: t.sharding, target))
   # The same helper gives the initial state its layout: Adam's moments and the
   # accumulator sharded like the parameters, counters replicated.
-  layout = accum_jax.abstract_tree(jax.eval_shape(create_state, params), params)
+  layout = accum_jax.checkpoint.abstract_tree(jax.eval_shape(create_state, params), params)
   init = jax.jit(create_state, out_shardings=jax.tree.map(lambda t: t.sharding, layout))
 
   uninterrupted = train(init(params), range(TOTAL_CALLS), mesh)
@@ -147,7 +147,7 @@ def resume_phase(directory: Path) -> None:
   params = abstract_params(mesh)
   # jax.eval_shape gives back the TrainState class, its tx and the AccumulationState;
   # abstract_tree gives every leaf a sharding on this process's 4 devices.
-  target = accum_jax.abstract_tree(jax.eval_shape(create_state, params), params)
+  target = accum_jax.checkpoint.abstract_tree(jax.eval_shape(create_state, params), params)
   state = ocp.v1.load(directory / "checkpoint", target)
 
   adam = state.opt_state.inner_opt_state[0]

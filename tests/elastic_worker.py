@@ -3,7 +3,7 @@
 ``python elastic_worker.py LAYOUT CHECKPOINT OUTPUT_NPZ`` starts jax on
 ``RESTORE_DEVICES`` CPU devices (fewer than the 8 that saved the checkpoint),
 restores the state saved after ``SAVED_AFTER`` of the ``EVERY_K`` calls of a
-window into the target ``accum_jax.abstract_state`` builds for the new mesh,
+window into the target ``accum_jax.checkpoint.abstract_state`` builds for the new mesh,
 checks that each parameter and each per-parameter leaf of the state (the
 accumulator's sum, Adam's moments) has its parameter's new sharding, finishes
 the window and saves the final leaves.

@@ -89,13 +89,15 @@ def main(port: int, process_id: int, num_processes: int) -> None:
   global_batch = {name: _global(x, NamedSharding(mesh, P("data"))) for name, x in batch.items()}
   global_params = {name: _global(x, NamedSharding(mesh, specs[name])) for name, x in params.items()}
   vg = accum_jax.value_and_grad(
-      loss, NUM_MICROBATCHES, mesh=mesh, data_axis="data", param_sharding=specs
+      loss, NUM_MICROBATCHES,
+          data_parallel=accum_jax.DataParallel(mesh=mesh, data_axis="data", param_sharding=specs)
   )
   compiled = jax.jit(vg).lower(global_params, global_batch).compile()
   value, grads = compiled(global_params, global_batch)
   # The natural call: under jax.jit with automatic axes each process's trace cannot
   # see that w is sharded. Traced only (lowered), never run.
-  natural = accum_jax.value_and_grad(loss, NUM_MICROBATCHES, mesh=mesh, data_axis="data")
+  natural = accum_jax.value_and_grad(loss, NUM_MICROBATCHES,
+      data_parallel=accum_jax.DataParallel(mesh=mesh, data_axis="data"))
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     jax.jit(natural).lower(global_params, global_batch)

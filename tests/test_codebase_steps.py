@@ -144,7 +144,7 @@ def t5x_scan(params, batch):
 def test_a_t5x_step_sums_its_loss_and_gives_float32_gradients_of_bfloat16_parameters():
   params, batch = _params(jnp.bfloat16), _tokens(1)
   (loss, aux), grads = jax.jit(accum_jax.value_and_grad(
-      t5x_loss, N, has_aux=True, grad_reduction="sum", gradient_dtype=jnp.float32,
+      t5x_loss, N, has_aux=True, reduction="sum", gradient_dtype=jnp.float32,
       aux_reduction={"num_tokens": "sum", "loss": "sum"}))(params, batch)
   # The reference jitted, as the door is: its bfloat16 gradients rounded by the
   # same compiler, not op by op.
@@ -184,12 +184,12 @@ def test_a_summed_loss_with_grad_reduction_sum_gives_the_batch_s_sum_as_its_valu
     return jnp.sum((x @ w) ** 2)
 
   w, x = jnp.ones(3), jnp.asarray(normal(0, (B, 3)))
-  out = jax.jit(accum_jax.value_and_grad(loss, N, grad_reduction="sum"))(w, x)
+  out = jax.jit(accum_jax.value_and_grad(loss, N, reduction="sum"))(w, x)
   tree_allclose(out, jax.value_and_grad(loss)(w, x))
   # With weights, the weighted sum, as the gradient is.
   weights = jnp.arange(1.0, N + 1.0)
   weighted = accum_jax.value_and_grad(
-      lambda w, x, i: loss(w, x), N, grad_reduction="sum", weight_fn=lambda x, i: weights[i[0]])
+      lambda w, x, i: loss(w, x), N, reduction="sum", weight_fn=lambda x, i: weights[i[0]])
   value, grads = jax.jit(weighted)(w, x, jnp.arange(B) // (B // N))
   parts = [jax.value_and_grad(loss)(w, x[k * 2:(k + 1) * 2]) for k in range(N)]
   tree_allclose((value, grads), jax.tree.map(

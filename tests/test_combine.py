@@ -1,4 +1,4 @@
-"""Leaves that do not add up: grad_reduction= and per-leaf aux_reduction=.
+"""Leaves that do not add up: reduction= and per-leaf aux_reduction=.
 
 A hand-made statistic leaf (a custom_vjp whose "gradient" is a new value, as
 Flax's FP8 amax histories are) beside an ordinary weight, a token-weighted loss,
@@ -18,6 +18,7 @@ skips the step whole, statistics included.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -153,11 +154,14 @@ def _mesh():
 # which microbatches are kept and how many skips are counted.
 LAYOUTS = {
     "one device": (dict(num_microbatches=16), None, KEPT, 1),
-    "data parallel": (dict(num_microbatches=2, data_axis="data", param_sharding=P()), P(),
-                      KEPT, 1),
-    "fsdp": (dict(num_microbatches=2, data_axis="data",
-                  param_sharding={"w": P("data", None), "stat": P()}), P("data", None),
-             KEPT_TOGETHER, 8),
+    "data parallel": (
+        dict(num_microbatches=2, data_parallel=accum_jax.DataParallel(
+            data_axis="data", param_sharding=P())),
+        P(), KEPT, 1),
+    "fsdp": (
+        dict(num_microbatches=2, data_parallel=accum_jax.DataParallel(
+            data_axis="data", param_sharding={"w": P("data", None), "stat": P()})),
+        P("data", None), KEPT_TOGETHER, 8),
 }
 
 
@@ -167,13 +171,13 @@ def run(layout: str, spec: str):
   params, batch = make_params(), make_batch()
   if w_spec is not None:
     mesh = _mesh()
-    options = dict(options, mesh=mesh)
+    options = dict(options, data_parallel=dataclasses.replace(options["data_parallel"], mesh=mesh))
     params = {"w": jax.device_put(params["w"], NamedSharding(mesh, w_spec)),
               "stat": jax.device_put(params["stat"], NamedSharding(mesh, P()))}
     batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
   vg = accum_jax.value_and_grad(
       loss_fn, has_aux=True, weight_fn=weight_fn, return_info=True,
-      grad_reduction=SPECS[spec][0], aux_reduction=AUX_REDUCTION, **options,
+      reduction=SPECS[spec][0], aux_reduction=AUX_REDUCTION, **options,
       skip_nonfinite="microbatch",
   )
   return jax.jit(vg)(params, batch)
@@ -197,7 +201,7 @@ def test_each_kind_equals_the_plain_computation_skipped_microbatches_left_out(la
 def test_by_default_the_nan_microbatch_skips_the_step_statistics_included():
   vg = accum_jax.value_and_grad(
       loss_fn, 16, has_aux=True, weight_fn=weight_fn, return_info=True,
-      grad_reduction=SPECS["pytree"][0], aux_reduction=AUX_REDUCTION,
+      reduction=SPECS["pytree"][0], aux_reduction=AUX_REDUCTION,
   )
   params = dict(make_params(), stat=np.arange(8, dtype=np.float32))
   (loss, aux), grads, info = jax.jit(vg)(params, make_batch())
@@ -230,7 +234,7 @@ def test_a_string_keeps_the_fp8_collection_at_max_and_the_collection_named_overr
   for spec, stat_kind in (("sum", "max"), (None, "max"),
                           ({"params": "sum", "_overwrite_with_gradient": "last"}, "last")):
     vg = accum_jax.value_and_grad(fp8_loss, 16, has_aux=True, weight_fn=weight_fn,
-                                  grad_reduction=spec, skip_nonfinite="microbatch")
+                                  reduction=spec, skip_nonfinite="microbatch")
     _, grads = jax.jit(vg)(variables, batch)
     np.testing.assert_array_equal(grads["_overwrite_with_gradient"]["stat"], ref[stat_kind])
     tree_allclose(grads["params"]["w"], ref["mean" if spec is None else "sum"])

@@ -99,9 +99,10 @@ def _compiled(mode: str, width: int, layers: int, k: int):
       NamedSharding(mesh, P(axes)),
   )
   vg = accum_jax.value_and_grad(
-      loss_fn, k, mesh=mesh, data_axis=axes if len(axes) > 1 else axes[0],
-      param_sharding=specs, gather="once" if mode == "gather once" else "per_microbatch",
-  )
+      loss_fn, k,
+          data_parallel=accum_jax.DataParallel(
+              mesh=mesh, data_axis=axes if len(axes) > 1 else axes[0], param_sharding=specs,
+              gather="once" if mode == "gather once" else "per_microbatch"))
   compiled = jax.jit(vg).lower(params, batch).compile()
   sizes = dict(zip(names, shape))
   devices = int(np.prod([sizes[a] for a in axes]))
@@ -207,8 +208,9 @@ def test_param_sharding_as_a_list_shards_a_list_of_parameters():
   def loss(params, x):
     return jnp.mean((x @ params[0]) * (x @ params[1]))
 
-  vg = accum_jax.value_and_grad(loss, 2, mesh=mesh, data_axis="data",
-                                param_sharding=[P("data", None)] * 2)
+  vg = accum_jax.value_and_grad(loss, 2,
+      data_parallel=accum_jax.DataParallel(
+          mesh=mesh, data_axis="data", param_sharding=[P("data", None)] * 2))
   _, grads = jax.jit(vg)(params, batch)
   assert all(not g.sharding.is_fully_replicated for g in grads)
 

@@ -66,11 +66,11 @@ WITHOUT_EXAMPLE = {
     "accum_jax.AccumulationState",
     "accum_jax.Accumulator",
     "accum_jax.EveryKSchedule",
-    "accum_jax.LeafDeviation",
-    "accum_jax.MemoryBudgetError",
+    "accum_jax.diagnostics.LeafDeviation",
+    "accum_jax.diagnostics.MemoryBudgetError",
     "accum_jax.MicrobatchInfo",
-    "accum_jax.MicrobatchPlan",
-    "accum_jax.ParityReport",
+    "accum_jax.diagnostics.MicrobatchPlan",
+    "accum_jax.diagnostics.ParityReport",
     "accum_jax.ShouldSkipUpdateFunction",
 }
 

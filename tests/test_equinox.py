@@ -119,7 +119,7 @@ full_value_and_grad = eqx.filter_jit(eqx.filter_value_and_grad(mse))
 def test_filter_value_and_grad_matches_the_full_batch(name, on_mesh, mesh):
   model, x, y = _problem(name)
   # Data parallel: under filter_jit the replicated model says so (P() for all).
-  options = {"mesh": mesh, "param_sharding": P()} if on_mesh else {}
+  options = {"data_parallel": accum_jax.DataParallel(mesh, param_sharding=P())} if on_mesh else {}
   vg = accum_jax.equinox.filter_value_and_grad(mse, NUM_MICROBATCHES, **options)
   loss, grads = eqx.filter_jit(vg)(model, x, y)
   full_loss, full_grads = full_value_and_grad(model, x, y)
@@ -131,7 +131,7 @@ def test_filter_value_and_grad_matches_the_full_batch(name, on_mesh, mesh):
 def test_a_static_argument_is_closed_over_also_with_a_mesh(on_mesh, mesh):
   model, x, y = _problem("mlp")
   params, static = eqx.partition(model, eqx.is_array)
-  options = {"mesh": mesh, "param_sharding": P()} if on_mesh else {}
+  options = {"data_parallel": accum_jax.DataParallel(mesh, param_sharding=P())} if on_mesh else {}
   grad_fn = accum_jax.equinox.filter_grad(mse_partitioned, NUM_MICROBATCHES, **options)
   grads = eqx.filter_jit(grad_fn)(params, static, x, y)
   _, full_grads = full_value_and_grad(model, x, y)
@@ -249,8 +249,8 @@ def test_state_inside_a_dict_of_aux_is_threaded_and_the_rest_reduced():
 def test_state_under_a_mesh_is_threaded_per_device_and_averaged(mesh):
   model, state = eqx.nn.make_with_state(BNModel)(jr.key(0))
   _, x, y = _problem("mlp")
-  grad_fn = accum_jax.equinox.filter_grad(compute_loss, NUM_MICROBATCHES, has_aux=True, mesh=mesh,
-                                          param_sharding=P())
+  grad_fn = accum_jax.equinox.filter_grad(compute_loss, NUM_MICROBATCHES, has_aux=True,
+      data_parallel=accum_jax.DataParallel(mesh=mesh, param_sharding=P()))
   grads, new_state = eqx.filter_jit(grad_fn)(model, state, x, y)
   # Reference: each device's shard, microbatch after microbatch; then the mean of all
   # the gradients and of the devices' floating-point statistics.
@@ -383,7 +383,7 @@ ERROR_CASES = {
     "argnums is fixed": (
         dict(argnums=1),
         (mse, "x", "y"),
-        "filter_value_and_grad got argnums=1",
+        "filter_value_and_grad does not take argnums=1",
     ),
     "batch sizes differ, in the user's numbering": (
         {},
@@ -517,8 +517,8 @@ def test_fsdp_param_sharding_shaped_like_the_model_passes_through():
     return jnp.mean((jax.vmap(model)(x) - y) ** 2)
 
   vg = eqx.filter_jit(accum_jax.equinox.filter_value_and_grad(
-      loss_fn, NUM_MICROBATCHES, mesh=mesh, data_axis="data", param_sharding=shardings
-  ))
+      loss_fn, NUM_MICROBATCHES,
+      data_parallel=accum_jax.DataParallel(mesh, "data", param_sharding=shardings)))
   loss, grads = vg(model, x, y)
   arrays, rest = eqx.partition((model, x, y), eqx.is_array)
   on_one_device = eqx.combine(jax.device_put(arrays, jax.devices()[0]), rest)

@@ -94,15 +94,15 @@ def _vg(num_microbatches=2, **options):
 
 def _fsdp(dtype=jnp.float32, **options):
   """A weight of 8 sharded over the data axis of a mesh of 8 (FSDP), a batch of 16."""
-  options.setdefault("mesh", _mesh())
-  options.setdefault("param_sharding", P("data"))
-  return _vg(data_axis="data", **options)(jnp.ones(8, dtype), jnp.ones((16, 8), dtype))
+  dp = {"mesh": _mesh(), "data_axis": "data", "param_sharding": P("data"), **options.pop("dp", {})}
+  vg = _vg(data_parallel=accum_jax.DataParallel(**dp), **options)
+  return vg(jnp.ones(8, dtype), jnp.ones((16, 8), dtype))
 
 
 def _plan(batch=None, **options):
   batch = jnp.ones((8, 3)) if batch is None else batch
   options.setdefault("memory_budget_bytes", 2**30)
-  return accum_jax.plan_microbatches(_loss, W, batch, **options)
+  return accum_jax.diagnostics.plan_microbatches(_loss, W, batch, **options)
 
 
 class _FullDevice:
@@ -152,7 +152,7 @@ TRIGGERS: dict[str, Callable[[], object]] = {
         apply=jnp.array(True)),
     "`apply` given with `flush=True`": lambda: _host_update(apply=False, flush=True),
     "`every_k` is a `noise_scale_every_k` schedule": lambda: accum_jax.HostSchedule(
-        accum_jax.noise_scale_every_k(8, k_max=4)),
+        accum_jax.noise.noise_scale_every_k(8, k_max=4)),
     "`has_aux=True` and `fun` returns a loss alone": lambda: accum_jax.value_and_grad(
         _loss, 2, has_aux=True)(W, jnp.ones((4, 3))),
     "`fun` returns a tuple without `has_aux=True`": lambda: accum_jax.value_and_grad(
@@ -187,11 +187,11 @@ TRIGGERS: dict[str, Callable[[], object]] = {
         value=jnp.ones(2)),
     "`flush` is not a bool": lambda: accum_jax.accumulate(optax.sgd(0.1), every_k=2).update(
         {"w": W}, accum_jax.accumulate(optax.sgd(0.1), every_k=2).init({"w": W}), flush=0.5),
-    "`boundaries` is not a mapping (a list of pairs)": lambda: accum_jax.every_k_schedule(
+    "`boundaries` is not a mapping (a list of pairs)": lambda: accum_jax.piecewise_every_k(
         [(0, 2)]),
-    "`k_min` is below 2 or above `k_max`": lambda: accum_jax.noise_scale_every_k(
+    "`k_min` is below 2 or above `k_max`": lambda: accum_jax.noise.noise_scale_every_k(
         8, k_min=1, k_max=4),
-    "the `accumulate` state does not measure the noise": lambda: accum_jax.gradient_noise(
+    "the `accumulate` state does not measure the noise": lambda: accum_jax.noise.last_window(
         accum_jax.accumulate(optax.sgd(0.1), every_k=2).init({"w": W})),
     "`every_k` is below 1": lambda: accum_jax.accumulate(optax.sgd(1.0), every_k=0),
     "`every_k` is not an int (a float, a bool)": lambda: accum_jax.accumulate(
@@ -209,9 +209,9 @@ TRIGGERS: dict[str, Callable[[], object]] = {
     "`accumulator_dtype` is not a dtype at all": lambda: accum_jax.MultiSteps(
         optax.sgd(1.0), every_k_schedule=2, accumulator_dtype="fast"
     ),
-    "`boundaries` is empty": lambda: accum_jax.every_k_schedule({}),
-    "a key of `boundaries` is not an int >= 0": lambda: accum_jax.every_k_schedule({-1: 2}),
-    "a value of `boundaries` is below 1 or not an int": lambda: accum_jax.every_k_schedule(
+    "`boundaries` is empty": lambda: accum_jax.piecewise_every_k({}),
+    "a key of `boundaries` is not an int >= 0": lambda: accum_jax.piecewise_every_k({-1: 2}),
+    "a value of `boundaries` is below 1 or not an int": lambda: accum_jax.piecewise_every_k(
         {0: 1, 10: 0}
     ),
     "`layout` is unknown": lambda: accum_jax.accumulate(optax.sgd(1.0), 2, layout="vector"),
@@ -249,23 +249,27 @@ TRIGGERS: dict[str, Callable[[], object]] = {
     "`aux_reduction` is unknown (a string, or one at a leaf of a pytree)": lambda: _vg(
         aux_reduction="median"
     ),
-    "`grad_reduction` is unknown (a string, or one at a leaf of a pytree)": lambda: _vg(
-        grad_reduction="avg"
+    "`reduction` is unknown inside a step (a string, or one at a leaf of a pytree)": lambda: _vg(
+        reduction="avg"
     ),
-    "a `grad_reduction` callable returns an unknown value": lambda: _vg(
-        grad_reduction=lambda path, leaf: "maximum"
+    "a `reduction` callable returns an unknown value": lambda: _vg(
+        reduction=lambda path, leaf: "maximum"
     )(W, jnp.ones((4, 3))),
-    "`grad_reduction` (or `aux_reduction`) is a pytree that is not a prefix of the gradient"
-    " (the aux)": lambda: _vg(grad_reduction={"w": "max"})(W, jnp.ones((4, 3))),
-    "`grad_reduction` gives `'max'` to a complex leaf": lambda: _vg(grad_reduction="max")(
+    "`reduction` (or `aux_reduction`) is a pytree that is not a prefix of the gradient"
+    " (the aux)": lambda: _vg(reduction={"w": "max"})(W, jnp.ones((4, 3))),
+    "`reduction` gives `'max'` to a complex leaf": lambda: _vg(reduction="max")(
         W.astype(jnp.complex64), jnp.ones((4, 3))
     ),
     "a `'max'` or `'last'` leaf is sharded over a data axis": lambda: accum_jax.value_and_grad(
-        _loss, 1, mesh=_mesh(), param_sharding=jax.sharding.PartitionSpec("data"),
-        grad_reduction="last",
+        _loss, 1,
+            data_parallel=accum_jax.DataParallel(
+                mesh=_mesh(), param_sharding=jax.sharding.PartitionSpec("data")),
+        reduction="last",
     )(jnp.ones(8), jnp.ones((8, 8))),
-    "`split` is unknown": lambda: _vg(split="rows"),
-    "`pad_batch=True` without `weight_fn`": lambda: _vg(pad_batch=True),
+    "`split` is unknown": lambda: _vg(data_parallel=accum_jax.DataParallel(split="rows")),
+    "an option that was renamed or grouped (`grad_reduction`, `pad_batch`, `mesh`, ...)": (
+        lambda: accum_jax.grad(_loss, 2, mesh=_mesh())),
+    "an unknown option": lambda: accum_jax.grad(_loss, 2, num_micro_batches=2),
     "`state_argnums` without `has_aux=True`": lambda: _vg(state_argnums=2),
     "an `argnums`-like option names an argument that was not passed": lambda: _vg(argnums=2)(
         W, jnp.ones((4, 3))
@@ -287,7 +291,7 @@ TRIGGERS: dict[str, Callable[[], object]] = {
     ),
     "the batch does not split into `num_microbatches`": lambda: _vg(4)(W, jnp.ones((10, 3))),
     "the batch does not split into `num_microbatches` on each device": lambda: _vg(
-        4, mesh=_mesh()
+        4, data_parallel=accum_jax.DataParallel(mesh=_mesh())
     )(W, jnp.ones((16, 3))),
     "`weight_fn` returns a non-scalar": lambda: _vg(weight_fn=lambda batch: batch[:, 0])(
         W, jnp.ones((4, 3))
@@ -295,31 +299,37 @@ TRIGGERS: dict[str, Callable[[], object]] = {
     "`fun` returns a loss that is not a scalar": lambda: accum_jax.value_and_grad(
         lambda w, batch: (batch @ w) ** 2, 2
     )(W, jnp.ones((4, 3))),
-    "`data_axis` is given and there is no mesh": lambda: _vg(data_axis="data")(
+    "`data_axis` is given and there is no mesh": lambda: _vg(
+        data_parallel=accum_jax.DataParallel(data_axis="data"))(
         W, jnp.ones((16, 3))
     ),
     "the mesh has several axes and `data_axis` is not given": lambda: _vg(
-        mesh=_mesh((4, 2), ("data", "model"))
+        data_parallel=accum_jax.DataParallel(mesh=_mesh((4, 2), ("data", "model")))
     )(W, jnp.ones((16, 3))),
-    "`data_axis` is not an axis of the mesh": lambda: _vg(mesh=_mesh(), data_axis="batch")(
+    "`data_axis` is not an axis of the mesh": lambda: _vg(
+        data_parallel=accum_jax.DataParallel(mesh=_mesh(), data_axis="batch"))(
         W, jnp.ones((16, 3))
     ),
-    "`aux_reduction='stack'`": lambda: _vg(mesh=_mesh(), aux_reduction="stack"),
-    "`gather` is unknown": lambda: _vg(mesh=_mesh(), gather="twice"),
+    "`aux_reduction='stack'`": lambda: _vg(
+        data_parallel=accum_jax.DataParallel(mesh=_mesh()), aux_reduction="stack"),
+    "`gather` is unknown": lambda: _vg(
+        data_parallel=accum_jax.DataParallel(mesh=_mesh(), gather="twice")),
     "`gather_dtype` or `reduce_dtype` is not a floating dtype": lambda: _vg(
-        mesh=_mesh(), reduce_dtype=jnp.int8),
+        data_parallel=accum_jax.DataParallel(mesh=_mesh(), reduce_dtype=jnp.int8)),
     "`param_sharding`, `gather`, `gather_dtype` or `reduce_dtype` is given without a mesh": (
-        lambda: _vg(gather="once")),
+        lambda: _vg(data_parallel=accum_jax.DataParallel(gather="once"))),
     "`data_axis` names an axis twice": lambda: _vg(
-        mesh=_mesh((2, 4), ("replica", "fsdp")), data_axis=("fsdp", "fsdp"))(
+        data_parallel=accum_jax.DataParallel(
+            mesh=_mesh((2, 4), ("replica", "fsdp")), data_axis=("fsdp", "fsdp")))(
             W, jnp.ones((16, 3))),
     "`param_sharding` does not match the differentiated arguments": lambda: _fsdp(
-        param_sharding={"w": P("data")}),
+        dp=dict(param_sharding={"w": P("data")})),
     "a parameter dimension is sharded over a data axis and another axis together": lambda: (
-        _fsdp(param_sharding=P(("data", "model")), mesh=_mesh((4, 2), ("data", "model")))),
+        _fsdp(dp=dict(mesh=_mesh((4, 2), ("data", "model")), param_sharding=P(("data", "model"))))),
     "a narrow `accumulator_dtype` with parameters sharded over a data axis and"
     " `gather='per_microbatch'`": lambda: _fsdp(jnp.bfloat16, accumulator_dtype=None),
-    "the batch does not split over the devices of `data_axis`": lambda: _vg(2, mesh=_mesh())(
+    "the batch does not split over the devices of `data_axis`": lambda: _vg(2,
+        data_parallel=accum_jax.DataParallel(mesh=_mesh()))(
         W, jnp.ones((12, 3))
     ),
     "`num_microbatches` is among the options": lambda: _plan(num_microbatches=2),
@@ -330,17 +340,18 @@ TRIGGERS: dict[str, Callable[[], object]] = {
     "`memory_budget_bytes=None` and the device has no free memory": _plan_on_a_full_device,
     "the backend gives no memory analysis of compiled programs": _plan_without_memory_analysis,
     "`batch_argnums` names an argument that was not given to plan with": lambda: (
-        accum_jax.plan_microbatches(_loss, W, memory_budget_bytes=2**30, batch_argnums=1)
+        accum_jax.diagnostics.plan_microbatches(
+            _loss, W, memory_budget_bytes=2**30, batch_argnums=1)
     ),
     "the batch does not split over the devices of the data axis": lambda: _plan(
-        jnp.ones((12, 3)), mesh=_mesh()
+        jnp.ones((12, 3)), data_parallel=accum_jax.DataParallel(_mesh())
     ),
     "`candidates` is not an iterable": lambda: _plan(candidates=3),
     "`candidates` is empty": lambda: _plan(candidates=[]),
     "a candidate is not an int >= 1": lambda: _plan(candidates=[0, 2]),
     "a candidate does not divide the (per-device) batch size": lambda: _plan(candidates=[3]),
     "no candidate fits the budget": lambda: _plan(memory_budget_bytes=1),
-    "`rtol` or `atol` is negative or not finite": lambda: accum_jax.check_parity(
+    "`rtol` or `atol` is negative or not finite": lambda: accum_jax.diagnostics.check_parity(
         _loss, W, jnp.ones((4, 3)), num_microbatches=2, atol=-1.0
     ),
     "`optax.contrib.differentially_private_aggregate` is in the inner optimizer of `accumulate`": (
@@ -380,7 +391,7 @@ TRIGGERS: dict[str, Callable[[], object]] = {
         lambda: _stats_door(lambda w, b: (_loss(w, b), b @ w)),
     "`stats_loss` does not return a scalar": lambda: _stats_door(
         _loss_and_mean, stats_loss=lambda s: s * 2),
-    "`state_argnums`, `gradient_noise` or `grad_reduction` is given": lambda: _stats_door(
+    "`state_argnums`, `gradient_noise` or `reduction` is given": lambda: _stats_door(
         _loss_and_mean, state_argnums=1),
 }
 
@@ -419,7 +430,8 @@ def check_unseen_shardings_warn_and_count_as_replicated() -> None:
   w = jax.device_put(jnp.ones(8), NamedSharding(mesh, P("data")))
   batch = jax.device_put(jnp.ones((16, 8)), NamedSharding(mesh, P("data")))
   with pytest.warns(accum_jax.UnknownShardingWarning) as caught:
-    _, grads = jax.jit(_vg(mesh=mesh, data_axis="data"))(w, batch)
+    _, grads = jax.jit(_vg(
+        data_parallel=accum_jax.DataParallel(mesh=mesh, data_axis="data")))(w, batch)
   assert len(caught) == 1, [str(c.message) for c in caught]
   message = str(caught[0].message)
   for part in ("accum_jax cannot see how the differentiated leaf is sharded",
@@ -432,7 +444,9 @@ def check_unseen_shardings_warn_and_count_as_replicated() -> None:
   # Said how it is sharded, it does not warn, and the gradient is sharded like it.
   with warnings.catch_warnings():
     warnings.simplefilter("error", accum_jax.UnknownShardingWarning)
-    _, grads = jax.jit(_vg(mesh=mesh, data_axis="data", param_sharding=P("data")))(w, batch)
+    _, grads = jax.jit(_vg(
+        data_parallel=accum_jax.DataParallel(
+            mesh=mesh, data_axis="data", param_sharding=P("data"))))(w, batch)
   assert grads.sharding.is_equivalent_to(w.sharding, 1)
 
 
@@ -489,7 +503,7 @@ def test_each_row_is_raised_with_its_message_or_behaves_as_it_says(row: Row):
 
 
 def test_no_fitting_candidate_raises_a_memory_budget_error_with_the_estimates():
-  with pytest.raises(accum_jax.MemoryBudgetError) as raised:
+  with pytest.raises(accum_jax.diagnostics.MemoryBudgetError) as raised:
     _plan(memory_budget_bytes=1)
   assert raised.value.memory_budget_bytes == 1
   assert raised.value.estimates and all(e > 1 for e in raised.value.estimates.values())
@@ -526,6 +540,6 @@ def test_a_loss_that_is_not_a_scalar_gets_the_value_error_of_accum_jax_not_jax_t
   def per_example_loss(w, batch):
     return (batch @ w) ** 2
 
-  for options in ({}, {"mesh": _mesh()}):
+  for options in ({}, {"data_parallel": accum_jax.DataParallel(_mesh())}):
     with pytest.raises(ValueError, match=re.escape("fun must return a scalar loss")):
       accum_jax.value_and_grad(per_example_loss, 2, **options)(W, jnp.ones((16, 3)))

@@ -102,7 +102,8 @@ def test_a_flat_state_checkpoints_and_resumes_bit_for_bit(tmp_path):
   checkpointer = ocp.StandardCheckpointer()
   checkpointer.save(tmp_path / "state", state)
   checkpointer.wait_until_finished()
-  restored = checkpointer.restore(tmp_path / "state", accum_jax.abstract_state(opt, params))
+  target = accum_jax.checkpoint.abstract_state(opt, params)
+  restored = checkpointer.restore(tmp_path / "state", target)
   assert jax.tree.structure(restored) == jax.tree.structure(state)
   finals = []
   for s in (state, restored):

@@ -173,7 +173,8 @@ def test_value_and_grad_without_a_mesh_reduces_in_the_loop_and_keeps_the_fsdp_sh
 def test_value_and_grad_with_a_mesh_reduces_once_after_the_loop_into_replicated_gradients():
   mesh = _mesh()
   params, batch = _sharded(mesh)
-  vg = accum_jax.value_and_grad(_loss, NUM_MICROBATCHES, mesh=mesh, data_axis="data")
+  vg = accum_jax.value_and_grad(_loss, NUM_MICROBATCHES,
+      data_parallel=accum_jax.DataParallel(mesh=mesh, data_axis="data"))
   # Under jax.jit with automatic axes the FSDP shardings cannot be seen: the
   # parameters are taken as replicated, and a warning says so.
   with pytest.warns(accum_jax.UnknownShardingWarning, match=re.escape("param_sharding=")):
@@ -199,7 +200,8 @@ def test_a_strided_split_keeps_a_sharded_batch_data_parallel_without_a_mesh():
   batch = jax.device_put(_batch(), NamedSharding(mesh, P("data")))
   flops, gathers = {}, {}
   for split in ("contiguous", "strided"):
-    vg = accum_jax.value_and_grad(_loss, NUM_DEVICES // 2, split=split)
+    vg = accum_jax.value_and_grad(_loss, NUM_DEVICES // 2,
+        data_parallel=accum_jax.DataParallel(split=split))
     compiled = jax.jit(vg).lower(_params(), batch).compile()
     value, grads = compiled(_params(), batch)
     expected_value, expected_grads = jax.value_and_grad(_loss)(_params(), _batch())

@@ -145,7 +145,7 @@ def test_a_state_saved_mid_window_continues_under_either_schedule():
     checkpointer = ocp.StandardCheckpointer()
     checkpointer.save(f"{directory}/state", (params, state))
     checkpointer.wait_until_finished()
-    target = (make_params(), accum_jax.abstract_state(ADAMW, make_params()))
+    target = (make_params(), accum_jax.checkpoint.abstract_state(ADAMW, make_params()))
     restored = checkpointer.restore(f"{directory}/state", target)
   schedule = accum_jax.HostSchedule(K, restored[1])
   assert (schedule.calls, schedule.optimizer_step) == (2, 1)
@@ -158,12 +158,12 @@ def test_a_state_saved_mid_window_continues_under_either_schedule():
 
 
 def test_host_schedule_follows_every_k_schedules_and_ends_a_window_on_the_last_call():
-  schedule = accum_jax.HostSchedule(accum_jax.every_k_schedule({0: 2, 2: 3}))
+  schedule = accum_jax.HostSchedule(accum_jax.piecewise_every_k({0: 2, 2: 3}))
   flags = [schedule.next() for _ in range(9)] + [schedule.next(last=True)]
   assert flags == [False, True, False, True, False, False, True, False, False, True]
   assert schedule.optimizer_step == 4 and schedule.calls == 0
   # As the device schedule, with the same every_k, ends the same windows.
-  opt = accum_jax.accumulate(optax.identity(), every_k=accum_jax.every_k_schedule({0: 2, 2: 3}))
+  opt = accum_jax.accumulate(optax.identity(), every_k=accum_jax.piecewise_every_k({0: 2, 2: 3}))
   state = opt.init(make_params())
   device_flags = []
   for grads, _ in _calls(9):
@@ -183,7 +183,7 @@ def test_apply_must_be_a_python_bool_and_replaces_flush():
   with pytest.raises(ValueError, match=re.escape("skip_nonfinite=True is ambiguous")):
     accum_jax.accumulate(optax.sgd(1.0), every_k=2, skip_nonfinite=True)
   with pytest.raises(ValueError, match=re.escape("Leave apply= out of update for it")):
-    accum_jax.HostSchedule(accum_jax.noise_scale_every_k(8, k_max=4))
+    accum_jax.HostSchedule(accum_jax.noise.noise_scale_every_k(8, k_max=4))
 
 
 def test_nnx_optimizer_takes_apply_through_nnx_jit():

@@ -227,7 +227,8 @@ def test_a_strided_split_gives_microbatch_i_the_rows_i_plus_multiples_of_n():
 
   params, batch = make_mlp_params(), make_batch()
   batch["row"] = np.arange(BATCH_SIZE)
-  vg = microbatched(first_row_index, 4, has_aux=True, aux_reduction="stack", split="strided")
+  vg = microbatched(first_row_index, 4, has_aux=True, aux_reduction="stack",
+      data_parallel=accum_jax.DataParallel(split="strided"))
   (value, rows), grads = vg(params, batch)
   np.testing.assert_array_equal(rows, np.arange(4))  # microbatch i starts at row i
   expected_value, expected_grads = reference(mse_loss)(params, batch)
@@ -235,26 +236,21 @@ def test_a_strided_split_gives_microbatch_i_the_rows_i_plus_multiples_of_n():
   tree_allclose(grads, expected_grads)
 
 
-def test_pad_batch_pads_a_batch_that_does_not_split_with_rows_that_count_for_nothing():
-  # 7 rows into 4 microbatches: one row of zeros (weight 0) is appended.
+def test_a_batch_padded_with_rows_of_zero_weight_gives_the_unpadded_batch():
+  # 7 rows into 4 microbatches: the user appends one row of zeros, whose weight is 0.
   params = make_mlp_params()
   batch = {key: value[:7] for key, value in make_weighted_batch().items()}
+  padded = jax.tree.map(lambda x: np.pad(x, [(0, 1)] + [(0, 0)] * (x.ndim - 1)), batch)
   vg = microbatched(
-      weighted_loss_with_metrics, 4, has_aux=True, weight_fn=row_weight, pad_batch=True,
-      return_info=True,
+      weighted_loss_with_metrics, 4, has_aux=True, weight_fn=row_weight, return_info=True,
   )
-  (value, _), grads, info = vg(params, batch)
+  (value, _), grads, info = vg(params, padded)
   (expected_value, _), expected_grads = reference(weighted_loss_with_metrics, has_aux=True)(
       params, batch
   )
   tree_allclose(value, expected_value)
   tree_allclose(grads, expected_grads)
   assert float(info.total_weight) == float(batch["w"].sum())
-
-
-def test_pad_batch_needs_a_weight_fn():
-  with pytest.raises(ValueError, match=re.escape("pad_batch=True needs weight_fn")):
-    accum_jax.value_and_grad(mse_loss, 4, pad_batch=True)
 
 
 def test_keyword_arguments_reach_fun_unsplit_and_undifferentiated():

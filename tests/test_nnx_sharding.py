@@ -166,7 +166,8 @@ def test_the_tutorials_train_step_on_a_mesh_equals_one_device_and_keeps_the_anno
       assert param[...].sharding.spec == _expected_spec(path, param[...].ndim), path
 
   grad_fn = accum_jax.flax.nnx_value_and_grad(
-      loss_fn, NUM_MICROBATCHES, has_aux=True, mesh=mesh, data_axis="batch"
+      loss_fn, NUM_MICROBATCHES, has_aux=True,
+          data_parallel=accum_jax.DataParallel(mesh=mesh, data_axis="batch")
   )
   train_step = _train_step(grad_fn)
   reference_step = _train_step(nnx.value_and_grad(loss_fn, has_aux=True))
@@ -200,7 +201,8 @@ def test_logical_names_without_their_rules_name_the_variable_and_the_fix():
   mesh = _mesh()
   model, _ = _create("logical_axis_rules", mesh)  # made with the rules in context
   grad_fn = accum_jax.flax.nnx_value_and_grad(
-      loss_fn, NUM_MICROBATCHES, has_aux=True, mesh=mesh, data_axis="batch"
+      loss_fn, NUM_MICROBATCHES, has_aux=True,
+          data_parallel=accum_jax.DataParallel(mesh=mesh, data_axis="batch")
   )
   batch = jax.device_put(_batches()[0], NamedSharding(mesh, P("batch", None)))
   # Called outside nnx.logical_axis_rules, nothing maps "vocab" onto the mesh.

@@ -72,8 +72,9 @@ def test_without_weight_fn_a_microbatch_weighs_its_rows():
 def test_under_a_mesh_each_devices_part_is_a_small_batch():
   mesh = jax.make_mesh((8,), ("data",))
   x, y, mask = make_batches(2, steps=600)
-  vg = accum_jax.value_and_grad(loss, 2, weight_fn=lambda x, y, m: jnp.sum(m), mesh=mesh,
-                                param_sharding=P(), gradient_noise=True, return_info=True)
+  vg = accum_jax.value_and_grad(loss, 2, weight_fn=lambda x, y, m: jnp.sum(m),
+      data_parallel=accum_jax.DataParallel(
+          mesh=mesh, param_sharding=P()), gradient_noise=True, return_info=True)
   grad_sq, trace_cov = mean_estimates(vg, x, y, mask)  # K = 8 devices x 2 microbatches
   np.testing.assert_allclose(trace_cov, TRACE_COV, rtol=0.05)
   np.testing.assert_allclose(grad_sq, GRAD_SQ, rtol=0.05)
@@ -101,10 +102,10 @@ def test_a_biased_estimator_fails_the_same_check(monkeypatch, broken):
 
 
 def test_the_ema_is_a_ratio_of_bias_corrected_averages():
-  ema = accum_jax.NoiseScaleEMA.create(decay=0.5)
-  ema = ema.update(accum_jax.GradientNoise(jnp.float32(2.0), jnp.float32(6.0)))
-  ema = ema.update(accum_jax.GradientNoise(jnp.float32(jnp.nan), jnp.float32(1.0)))  # skipped
-  ema = ema.update(accum_jax.GradientNoise(jnp.float32(4.0), jnp.float32(20.0)))
+  ema = accum_jax.noise.NoiseScaleEMA.create(decay=0.5)
+  ema = ema.update(accum_jax.noise.GradientNoise(jnp.float32(2.0), jnp.float32(6.0)))
+  ema = ema.update(accum_jax.noise.GradientNoise(jnp.float32(jnp.nan), jnp.float32(1.0)))  # skipped
+  ema = ema.update(accum_jax.noise.GradientNoise(jnp.float32(4.0), jnp.float32(20.0)))
   average = ema.average()
   # Weights 1/3 and 2/3 after bias correction (0.25 and 0.5 over 0.75).
   np.testing.assert_allclose(average.grad_sq, 2.0 / 3 + 8.0 / 3, rtol=1e-6)
@@ -132,7 +133,7 @@ def window_estimates(opt, x, y, mask, calls_per_step):
 
     micro = jax.tree.map(lambda a: a.reshape(calls_per_step, rows, *a.shape[1:]), batch)
     state, _ = jax.lax.scan(call, state, micro)
-    return state, accum_jax.gradient_noise(state)
+    return state, accum_jax.noise.last_window(state)
 
   _, noise = jax.jit(lambda b: jax.lax.scan(step, opt.init(w), b))((x, y, mask))
   return float(jnp.mean(noise.grad_sq)), float(jnp.mean(noise.trace_cov))
@@ -152,12 +153,12 @@ def test_across_calls_the_windows_estimates_are_unbiased(unequal):
 def test_gradient_noise_of_a_state_without_it_is_refused():
   opt = accum_jax.accumulate(optax.sgd(0.1), every_k=2)
   with pytest.raises(ValueError, match="does not measure the noise"):
-    accum_jax.gradient_noise(opt.init({"w": jnp.zeros(2)}))
+    accum_jax.noise.last_window(opt.init({"w": jnp.zeros(2)}))
 
 
 def run_noise_driven(monotone, calls=1500):
   # B_simple = tr(Sigma) / |G|^2 = 36 / 4 = 9 examples; calls of 2 examples: k -> 4 or 5.
-  schedule = accum_jax.noise_scale_every_k(2, k_max=16, decay=0.98, monotone=monotone)
+  schedule = accum_jax.noise.noise_scale_every_k(2, k_max=16, decay=0.98, monotone=monotone)
   opt = accum_jax.accumulate(optax.sgd(0.0), every_k=schedule)
   w, grad = jnp.asarray(W), jax.grad(loss)
   rng = np.random.default_rng(4)
@@ -205,7 +206,7 @@ def test_gradient_noise_is_found_in_an_nnx_optimizer():
   )
   for g in (1.0, 3.0):
     opt.update(model, jax.tree.map(lambda x, g=g: jnp.full_like(x, g), nnx.state(model, nnx.Param)))
-  noise = accum_jax.gradient_noise(opt)  # calls of 1 and 3: |g|^2 = 4, spread 2
+  noise = accum_jax.noise.last_window(opt)  # calls of 1 and 3: |g|^2 = 4, spread 2
   assert isinstance(noise.trace_cov, jax.Array)
   np.testing.assert_allclose((noise.grad_sq, noise.trace_cov), (3.0, 2.0))
 

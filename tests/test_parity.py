@@ -11,6 +11,7 @@ import test_sharded as sharded
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import accum_jax
 from accum_jax._parity import LeafDeviation, ParityReport, _default_rtol, check_parity
 
 BATCH_SIZE = 8
@@ -117,7 +118,8 @@ def test_a_mean_of_means_over_masked_tokens_fails_and_the_hint_gives_the_weight_
 
 def test_the_mask_counts_follow_a_strided_split():
   # Microbatch i holds rows i and i + 4: lengths 5+2, 1+5, 4+3, 4+1.
-  report = check(token_mean_loss, make_params(), make_batch(), split="strided")
+  report = check(token_mean_loss, make_params(), make_batch(),
+      data_parallel=accum_jax.DataParallel(split="strided"))
   assert not report.ok
   assert "it sums to 7, 6, 7, 5 in the 4 microbatches" in report.hints[0]
   assert "(checked: it restores parity)" in report.hints[0]
@@ -281,8 +283,8 @@ def test_a_raw_key_missing_from_rng_argnums_is_named_as_the_cause():
 @pytest.mark.parametrize("layout", ["fsdp", "hsdp"])
 def test_sharded_parameters_are_checked_against_the_single_device_full_batch(layout):
   mesh, data_axis, _, params, batch = sharded._place(layout)
-  report = check_parity(sharded.loss_fn, params, batch, num_microbatches=2, mesh=mesh,
-                        data_axis=data_axis)
+  report = check_parity(sharded.loss_fn, params, batch, num_microbatches=2,
+      data_parallel=accum_jax.DataParallel(mesh=mesh, data_axis=data_axis))
   assert report.ok, report
   assert report.max_rel <= 1e-5
   assert len(report.per_leaf) == 1 + len(params)
@@ -293,8 +295,9 @@ def test_the_step_checked_gathers_the_sharded_parameters_as_it_would():
   # deviation is bfloat16's where the mode checked is FSDP's, and 0 where the
   # parameters were taken as replicated.
   mesh, data_axis, _, params, batch = sharded._place("fsdp")
-  report = check_parity(sharded.loss_fn, params, batch, num_microbatches=2, mesh=mesh,
-                        data_axis=data_axis, gather_dtype=jnp.bfloat16)
+  report = check_parity(sharded.loss_fn, params, batch, num_microbatches=2,
+      data_parallel=accum_jax.DataParallel(
+          mesh=mesh, data_axis=data_axis, gather_dtype=jnp.bfloat16))
   assert not report.ok
   assert 1e-4 < report.max_rel < 3e-2
   assert len(report.hints) == 1, report.hints
@@ -312,8 +315,8 @@ def test_the_mask_diagnosis_counts_each_devices_microbatches():
     errors = sharded.loss_fn_rows(params, batch)
     return jnp.sum(batch["mask"] * errors) / jnp.sum(batch["mask"] * jnp.ones_like(errors))
 
-  report = check_parity(masked_loss, params, batch, num_microbatches=2, mesh=mesh,
-                        data_axis=data_axis)
+  report = check_parity(masked_loss, params, batch, num_microbatches=2,
+      data_parallel=accum_jax.DataParallel(mesh=mesh, data_axis=data_axis))
   assert not report.ok
   hint = report.hints[0]
   assert "it sums to 1, 1, 2, 2, 1, 2, 2, 2, ... in the 16 microbatches" in hint

@@ -1,5 +1,6 @@
 """Tests of accum_jax._planner: choosing num_microbatches from compiled memory."""
 
+import dataclasses
 import functools
 import math
 import re
@@ -244,17 +245,6 @@ def test_batch_argnums_choose_the_batch_that_is_split(monkeypatch):
   assert plan.num_microbatches == 6  # divisors of 12: 1, 2, 3, 4, 6, 12
 
 
-def test_with_pad_batch_any_number_of_microbatches_is_a_candidate(monkeypatch):
-  asked = count_compiles(monkeypatch, lambda n: 100 // n)
-  plan = plan_microbatches(mlp_loss, *mlp_args(batch_size=10), memory_budget_bytes=30,
-                           pad_batch=True, weight_fn=lambda batch: batch["y"].size,
-                           candidates=[3, 4])
-  assert plan.num_microbatches == 4 and asked  # 4 does not divide 10: the batch is padded
-  plan = plan_microbatches(mlp_loss, *mlp_args(batch_size=10), memory_budget_bytes=30,
-                           pad_batch=True, weight_fn=lambda batch: batch["y"].size)
-  assert plan.num_microbatches == 4  # the first n with 100 // n <= 30, among 1..10
-
-
 # Under a mesh: an MLP whose layers (a list) are sharded over the 8 devices of
 # the data axis (FSDP) and whose head is replicated. The batch is sharded too,
 # so that each device's argument holds its own rows.
@@ -297,7 +287,8 @@ def sharded_args(concrete=False):
   return jax.tree.map(make, (params, batch), is_leaf=is_pair)
 
 
-MESH_OPTIONS = {"mesh": data_mesh(), "data_axis": "data"}
+MESH = accum_jax.DataParallel(data_mesh(), "data")
+MESH_OPTIONS = {"data_parallel": MESH}
 
 
 @pytest.fixture(scope="module")
@@ -306,9 +297,8 @@ def mode_estimates():
   found = {}
   for gather in ("per_microbatch", "once"):
     for n in (1, 16):
-      vg = accum_jax.value_and_grad(
-          deep_loss, n, param_sharding=MESH_SPECS, gather=gather, **MESH_OPTIONS
-      )
+      vg = accum_jax.value_and_grad(deep_loss, n, data_parallel=dataclasses.replace(
+          MESH, param_sharding=MESH_SPECS, gather=gather))
       stats = jax.jit(vg).lower(*sharded_args()).compile().memory_analysis()
       found[gather, n] = (
           stats.argument_size_in_bytes + stats.output_size_in_bytes
@@ -323,8 +313,8 @@ def compiled_once(monkeypatch, mode_estimates):
   asked = []
 
   def known(fun, num_microbatches, args, options):
-    asked.append((options.get("gather"), num_microbatches))
-    return mode_estimates[options["gather"], num_microbatches]
+    asked.append((_planner.data_parallel(options).gather, num_microbatches))
+    return mode_estimates[_planner.data_parallel(options).gather, num_microbatches]
 
   monkeypatch.setattr(_planner, "_estimate_bytes", known)
   return asked
@@ -385,10 +375,8 @@ def test_the_chosen_plan_runs_and_equals_the_full_batch(mode_estimates, compiled
       deep_loss, params, batch, memory_budget_bytes=budget, candidates=[1, 16], **MESH_OPTIONS
   )
   assert (plan.gather, plan.num_microbatches) == ("per_microbatch", 16)
-  vg = accum_jax.value_and_grad(
-      deep_loss, plan.num_microbatches, gather=plan.gather, param_sharding=MESH_SPECS,
-      **MESH_OPTIONS,
-  )
+  vg = accum_jax.value_and_grad(deep_loss, plan.num_microbatches, data_parallel=dataclasses.replace(
+      MESH, param_sharding=MESH_SPECS, gather=plan.gather))
   value, grads = jax.jit(vg)(params, batch)
   on_one_device = jax.device_put((params, batch), jax.devices()[0])
   tree_allclose((value, grads), jax.jit(jax.value_and_grad(deep_loss))(*on_one_device))
@@ -397,7 +385,7 @@ def test_the_chosen_plan_runs_and_equals_the_full_batch(mode_estimates, compiled
 
 
 def gather_of(asked_options):
-  return [options.get("gather") for options in asked_options]
+  return [_planner.data_parallel(options).gather for options in asked_options]
 
 
 def record_modes(monkeypatch, estimate):
@@ -405,8 +393,8 @@ def record_modes(monkeypatch, estimate):
   asked = []
 
   def fake(fun, num_microbatches, args, options):
-    asked.append((options.get("gather"), num_microbatches))
-    return estimate(options.get("gather"), num_microbatches)
+    asked.append((_planner.data_parallel(options).gather, num_microbatches))
+    return estimate(_planner.data_parallel(options).gather, num_microbatches)
 
   monkeypatch.setattr(_planner, "_estimate_bytes", fake)
   return asked
@@ -437,7 +425,7 @@ def test_the_rule_is_fewest_microbatches_then_gather_once(monkeypatch, budget, c
 def test_replicated_parameters_have_one_mode(monkeypatch):
   asked = record_modes(monkeypatch, lean_and_fast)
   plan = plan_microbatches(deep_loss, *sharded_args(), memory_budget_bytes=40,
-                           param_sharding=P(), **MESH_OPTIONS)
+                           data_parallel=dataclasses.replace(MESH, param_sharding=P()))
   assert plan.gather is None and plan.gather_estimates == {}
   assert {g for g, _ in asked} == {None}
   assert plan.num_microbatches == 4 and plan.estimates[4] == 25
@@ -445,8 +433,8 @@ def test_replicated_parameters_have_one_mode(monkeypatch):
 
 def test_a_given_gather_is_the_only_mode_compiled(monkeypatch):
   asked = record_modes(monkeypatch, lean_and_fast)
-  plan = plan_microbatches(deep_loss, *sharded_args(), memory_budget_bytes=40, gather="once",
-                           **MESH_OPTIONS)
+  plan = plan_microbatches(deep_loss, *sharded_args(), memory_budget_bytes=40,
+                           data_parallel=dataclasses.replace(MESH, gather="once"))
   assert {g for g, _ in asked} == {"once"}
   assert (plan.gather, plan.num_microbatches) == ("once", 8)  # 100 // 8 + 20 = 32
 

@@ -101,8 +101,9 @@ def test_every_layout_equals_the_full_batch_with_gradients_sharded_as_the_parame
 ):
   mesh, data_axis, specs, params, batch = _place(layout)
   vg = accum_jax.value_and_grad(
-      loss_fn, NUM_MICROBATCHES, mesh=mesh, data_axis=data_axis, param_sharding=specs,
-      skip_nonfinite=skip_nonfinite,
+      loss_fn, NUM_MICROBATCHES,
+          data_parallel=accum_jax.DataParallel(
+              mesh=mesh, data_axis=data_axis, param_sharding=specs), skip_nonfinite=skip_nonfinite,
   )
   compiled = jax.jit(vg).lower(params, batch).compile()
   value, grads = compiled(params, batch)
@@ -131,7 +132,8 @@ def test_every_layout_equals_the_full_batch_with_gradients_sharded_as_the_parame
 def test_hsdp_reduce_scatters_over_fsdp_per_microbatch_and_all_reduces_over_replicas_once():
   mesh, data_axis, specs, params, batch = _place("hsdp")
   vg = accum_jax.value_and_grad(
-      loss_fn, NUM_MICROBATCHES, mesh=mesh, data_axis=data_axis, param_sharding=specs
+      loss_fn, NUM_MICROBATCHES,
+          data_parallel=accum_jax.DataParallel(mesh=mesh, data_axis=data_axis, param_sharding=specs)
   )
   found = collectives(jax.jit(vg).lower(params, batch).compile().as_text(), mesh)
   after = [c for c in found if not c.in_loop and c.kind == "all-reduce"]
@@ -144,9 +146,9 @@ def test_hsdp_reduce_scatters_over_fsdp_per_microbatch_and_all_reduces_over_repl
 def test_gather_once_reduce_scatters_once_after_the_loop():
   mesh, data_axis, specs, params, batch = _place("fsdp")
   vg = accum_jax.value_and_grad(
-      loss_fn, NUM_MICROBATCHES, mesh=mesh, data_axis=data_axis, param_sharding=specs,
-      gather="once",
-  )
+      loss_fn, NUM_MICROBATCHES,
+          data_parallel=accum_jax.DataParallel(
+              mesh=mesh, data_axis=data_axis, param_sharding=specs, gather="once"))
   compiled = jax.jit(vg).lower(params, batch).compile()
   value, grads = compiled(params, batch)
   tree_allclose((value, grads), _reference())
@@ -160,7 +162,8 @@ def test_gather_once_reduce_scatters_once_after_the_loop():
 
 def test_explicit_axes_are_read_from_the_parameters_types():
   mesh, data_axis, specs, params, batch = _place("hsdp", explicit=True)
-  vg = accum_jax.value_and_grad(loss_fn, NUM_MICROBATCHES, mesh=mesh, data_axis=data_axis)
+  vg = accum_jax.value_and_grad(loss_fn, NUM_MICROBATCHES,
+      data_parallel=accum_jax.DataParallel(mesh=mesh, data_axis=data_axis))
   with jax.set_mesh(mesh):
     compiled = jax.jit(vg).lower(params, batch).compile()
     value, grads = compiled(params, batch)
@@ -172,7 +175,8 @@ def test_explicit_axes_are_read_from_the_parameters_types():
 
 def test_automatic_axes_under_jit_need_param_sharding_and_an_eager_call_reads_the_arrays():
   mesh, data_axis, specs, params, batch = _place("fsdp")
-  vg = accum_jax.value_and_grad(loss_fn, NUM_MICROBATCHES, mesh=mesh, data_axis=data_axis)
+  vg = accum_jax.value_and_grad(loss_fn, NUM_MICROBATCHES,
+      data_parallel=accum_jax.DataParallel(mesh=mesh, data_axis=data_axis))
   # Under jax.jit the traced function cannot see automatic shardings: replicated,
   # and a warning says so and what to pass.
   with pytest.warns(accum_jax.UnknownShardingWarning, match=re.escape("param_sharding=")):
@@ -191,8 +195,10 @@ def _transported_types(lowered) -> list[str]:
 
 def test_gather_and_reduce_dtypes_are_what_crosses_devices():
   mesh, data_axis, specs, params, batch = _place("fsdp")
-  options = dict(mesh=mesh, data_axis=data_axis, param_sharding=specs,
-                 gather_dtype=jnp.bfloat16, reduce_dtype=jnp.bfloat16)
+  options = dict(
+      data_parallel=accum_jax.DataParallel(
+          mesh=mesh, data_axis=data_axis, param_sharding=specs, gather_dtype=jnp.bfloat16,
+          reduce_dtype=jnp.bfloat16))
   lowered = jax.jit(accum_jax.value_and_grad(loss_fn, NUM_MICROBATCHES, **options)).lower(
       params, batch)
   value, grads = lowered.compile()(params, batch)
@@ -237,8 +243,9 @@ def _non_finite_step(where, **options):
   x, y, fun = _non_finite_batch(where)
   batch = jax.device_put({"x": x, "y": y}, NamedSharding(mesh, P("data")))
   vg = accum_jax.value_and_grad(
-      fun, NUM_MICROBATCHES, mesh=mesh, data_axis=data_axis, param_sharding=specs,
-      return_info=True, **options,
+      fun, NUM_MICROBATCHES,
+          data_parallel=accum_jax.DataParallel(
+              mesh=mesh, data_axis=data_axis, param_sharding=specs), return_info=True, **options,
   )
   return x, y, fun, jax.jit(vg)(params, batch), params
 
@@ -282,7 +289,9 @@ def test_zero_weight_padding_never_drops_other_devices_rows():
   data = {**make_batch(), "mask": mask}
   batch = jax.device_put(data, NamedSharding(mesh, P("data")))
   vg = accum_jax.value_and_grad(
-      masked_loss, NUM_MICROBATCHES, mesh=mesh, data_axis=data_axis, param_sharding=specs,
+      masked_loss, NUM_MICROBATCHES,
+          data_parallel=accum_jax.DataParallel(
+              mesh=mesh, data_axis=data_axis, param_sharding=specs),
       weight_fn=lambda batch: jnp.sum(batch["mask"]), return_info=True,
   )
   value, grads, info = jax.jit(vg)(params, batch)
@@ -299,8 +308,9 @@ def test_narrow_accumulators_with_a_reduce_scatter_per_microbatch_are_refused():
   mesh, data_axis, specs, params, batch = _place("fsdp")
   low = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
   vg = accum_jax.value_and_grad(
-      loss_fn, NUM_MICROBATCHES, mesh=mesh, data_axis=data_axis, param_sharding=specs,
-      accumulator_dtype=None,
+      loss_fn, NUM_MICROBATCHES,
+          data_parallel=accum_jax.DataParallel(
+              mesh=mesh, data_axis=data_axis, param_sharding=specs), accumulator_dtype=None,
   )
   with pytest.raises(ValueError, match="gather='once'"):
     jax.jit(vg).lower(low, batch)
@@ -313,16 +323,17 @@ def test_gradient_noise_aux_and_state_do_not_depend_on_how_parameters_are_sharde
     loss = loss_fn(params, batch)
     return loss, (state + jnp.mean(batch["x"]), {"loss": loss, "rows": batch["y"][:, 0]})
 
-  def run(**sharding):
+  def run(param_sharding):
     vg = accum_jax.value_and_grad(
-        fun, NUM_MICROBATCHES, mesh=mesh, data_axis=data_axis, has_aux=True, state_argnums=1,
-        return_info=True, gradient_noise=True, **sharding,
+        fun, NUM_MICROBATCHES, has_aux=True, state_argnums=1, return_info=True,
+        gradient_noise=True,
+        data_parallel=accum_jax.DataParallel(mesh, data_axis, param_sharding=param_sharding),
     )
     return jax.jit(vg)(params, jnp.float32(0.0), batch)
 
-  (value, aux), grads, info = run(param_sharding=specs)
+  (value, aux), grads, info = run(specs)
   # Taken as replicated: the data-parallel path.
-  (value_r, aux_r), grads_r, info_r = run(param_sharding=P())
+  (value_r, aux_r), grads_r, info_r = run(P())
   tree_allclose((value, aux, grads, info), (value_r, aux_r, grads_r, info_r))
   assert bool(jnp.isfinite(info.gradient_noise.trace_cov))
 
@@ -336,9 +347,10 @@ def test_parameters_named_out_of_order_keep_their_own_shardings():
     return loss_fn({**first, **second}, batch)
 
   vg = accum_jax.value_and_grad(
-      fun, NUM_MICROBATCHES, argnums=(2, 1), batch_argnums=0, mesh=mesh, data_axis=data_axis,
-      param_sharding=({k: specs[k] for k in first}, {k: specs[k] for k in second}),
-  )
+      fun, NUM_MICROBATCHES, argnums=(2, 1), batch_argnums=0,
+          data_parallel=accum_jax.DataParallel(
+              mesh=mesh, data_axis=data_axis,
+              param_sharding=({k: specs[k] for k in first}, {k: specs[k] for k in second})))
   value, (g_first, g_second) = jax.jit(vg)(batch, second, first)
   expected_value, expected = _reference()
   tree_allclose((value, {**g_first, **g_second}), (expected_value, expected))

@@ -90,7 +90,9 @@ def data_parallel(fun, **options):
   # param_sharding=P(): under jax.jit with automatic axes the replicated
   # parameters must say so (or an UnknownShardingWarning says it cannot tell).
   vg = accum_jax.value_and_grad(
-      fun, NUM_MICROBATCHES, mesh=data_mesh(), data_axis="data", param_sharding=P(), **options
+      fun, NUM_MICROBATCHES,
+          data_parallel=accum_jax.DataParallel(
+              mesh=data_mesh(), data_axis="data", param_sharding=P()), **options
   )
   return jax.jit(vg)
 
@@ -103,12 +105,12 @@ def test_data_parallel_equals_the_single_device_full_batch():
   tree_allclose(grads, expected_grads)
 
 
-def test_pad_batch_pads_to_a_multiple_of_the_devices_times_microbatches():
-  # 8 devices x 2 microbatches need a multiple of 16 rows: 30 get 2 rows of zeros.
+def test_a_batch_padded_to_a_multiple_of_the_devices_times_microbatches():
+  # 8 devices x 2 microbatches need a multiple of 16 rows: 30 get 2 rows of no tokens.
   params = make_params()
   batch = {key: value[:30] for key, value in make_sequences().items()}
-  vg = data_parallel(sequence_loss, weight_fn=num_tokens, pad_batch=True)
-  value, grads = vg(params, batch)
+  padded = jax.tree.map(lambda x: np.pad(x, [(0, 2)] + [(0, 0)] * (x.ndim - 1)), batch)
+  value, grads = data_parallel(sequence_loss, weight_fn=num_tokens)(params, padded)
   expected_value, expected_grads = reference(sequence_loss)(params, batch)
   tree_allclose(value, expected_value)
   tree_allclose(grads, expected_grads)
@@ -116,8 +118,8 @@ def test_pad_batch_pads_to_a_multiple_of_the_devices_times_microbatches():
 
 def test_the_ambient_mesh_is_used_when_only_data_axis_is_given():
   params, batch = make_params(), make_batch()
-  vg = jax.jit(accum_jax.value_and_grad(mse_loss, NUM_MICROBATCHES, data_axis="data",
-                                       param_sharding=P()))
+  vg = jax.jit(accum_jax.value_and_grad(mse_loss, NUM_MICROBATCHES,
+      data_parallel=accum_jax.DataParallel(data_axis="data", param_sharding=P())))
   with jax.set_mesh(data_mesh()):
     value, grads = vg(params, batch)
   expected_value, expected_grads = reference(mse_loss)(params, batch)
@@ -204,8 +206,8 @@ def test_each_device_and_microbatch_gets_its_own_dropout_key():
 
 
 def test_gradients_are_reduced_once_after_the_loop_not_per_microbatch():
-  vg = accum_jax.value_and_grad(mse_loss, 4, mesh=data_mesh(), data_axis="data",
-                                param_sharding=P())
+  vg = accum_jax.value_and_grad(mse_loss, 4,
+      data_parallel=accum_jax.DataParallel(mesh=data_mesh(), data_axis="data", param_sharding=P()))
   hlo = jax.jit(vg).lower(make_params(), make_batch()).compile().as_text()
   counts = collective_counts(hlo)
   assert counts.in_loop == 0
@@ -241,20 +243,22 @@ def test_a_plain_scan_over_a_sharded_batch_reduces_inside_the_loop():
 
 
 def test_a_data_axis_that_is_not_in_the_mesh_is_refused():
-  vg = accum_jax.value_and_grad(mse_loss, 2, mesh=data_mesh(), data_axis="batch")
+  vg = accum_jax.value_and_grad(mse_loss, 2,
+      data_parallel=accum_jax.DataParallel(mesh=data_mesh(), data_axis="batch"))
   with pytest.raises(ValueError, match=re.escape("data_axis='batch' is not an axis of the mesh")):
     vg(make_params(), make_batch())
 
 
 def test_a_multi_axis_mesh_needs_a_data_axis():
   mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
-  vg = accum_jax.value_and_grad(mse_loss, 2, mesh=mesh)
+  vg = accum_jax.value_and_grad(mse_loss, 2, data_parallel=accum_jax.DataParallel(mesh=mesh))
   with pytest.raises(ValueError, match=re.escape("pass data_axis= to name the one")):
     vg(make_params(), make_batch())
 
 
 def test_a_batch_that_does_not_split_over_devices_and_microbatches_is_refused():
-  vg = accum_jax.value_and_grad(mse_loss, 2, mesh=data_mesh(), data_axis="data")
+  vg = accum_jax.value_and_grad(mse_loss, 2,
+      data_parallel=accum_jax.DataParallel(mesh=data_mesh(), data_axis="data"))
   # 24 rows split over 8 devices, but not into 2 microbatches on each.
   with pytest.raises(
       ValueError,
@@ -270,6 +274,4 @@ def test_stacked_aux_is_refused_with_a_mesh_when_the_function_is_made():
         2,
         has_aux=True,
         aux_reduction="stack",
-        mesh=data_mesh(),
-        data_axis="data",
-    )
+        data_parallel=accum_jax.DataParallel(mesh=data_mesh(), data_axis="data"))

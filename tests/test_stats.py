@@ -103,12 +103,12 @@ def test_a_mesh_of_8_balances_the_global_batch(sharding):
   # Each device's 4 rows in 2 microbatches of 2, dropout keys folded by microbatch
   # and device: the statistics are summed over every device before pass 2.
   mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
-  options = {"param_sharding": fsdp_specs() if sharding == "fsdp" else P()}
+  specs = fsdp_specs() if sharding == "fsdp" else P()
   params, batch = moe.init_params(), moe.make_batch(BATCH)
   key = jax.random.key(5)
   vg = jax.jit(accum_jax.stats_value_and_grad(
       moe.loss_and_stats, moe.balance_loss, 2, weight_fn=moe.tokens_of, rng_argnums=2,
-      mesh=mesh, data_axis="data", return_info=True, **options))
+      data_parallel=accum_jax.DataParallel(mesh, "data", param_sharding=specs), return_info=True))
   value, grads, info = vg(params, batch, key)
   per_device, rows = BATCH // 8, BATCH // 16
   chunks = [

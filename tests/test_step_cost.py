@@ -129,8 +129,9 @@ def test_under_a_mesh_only_the_per_device_loop_is_called_from_below():
   batch = jax.device_put({"x": jnp.ones((BATCH * len(devices) // 2, WIDTH)),
                           "w": jnp.ones(BATCH * len(devices) // 2)}, NamedSharding(mesh, P("data")))
   step = accum_jax.value_and_grad(_counting_loss([]), 2, has_aux=True, rng_argnums=2,
-                                  weight_fn=lambda batch: jnp.sum(batch["w"]), mesh=mesh,
-                                  data_axis="data", param_sharding=P())
+                                  weight_fn=lambda batch: jnp.sum(batch["w"]),
+                                      data_parallel=accum_jax.DataParallel(
+                                          mesh=mesh, data_axis="data", param_sharding=P()))
   found = _calls_across(step, params, batch, jax.random.key(0))
   # shard_map runs the loop on each device: the one call from below is that body.
   assert found == {"into options": [], "back up": ["_local_sums"]}

@@ -585,7 +585,7 @@ def test_jitted_init_of_nonfinite_params_gives_a_zero_accumulator():
 
 
 def test_every_k_schedule_changes_the_window_without_recompiling():
-  opt = accum_jax.accumulate(optax.identity(), accum_jax.every_k_schedule({0: 1, 2: 3}))
+  opt = accum_jax.accumulate(optax.identity(), accum_jax.piecewise_every_k({0: 1, 2: 3}))
   params = make_params()
   grads = microbatch_grads(params, 8)
   step = jax.jit(opt.update)
@@ -604,11 +604,11 @@ def test_every_k_schedule_changes_the_window_without_recompiling():
 
 
 def test_every_k_schedule_values():
-  schedule = accum_jax.every_k_schedule({2: 3, 0: 1, 5: 8})
+  schedule = accum_jax.piecewise_every_k({2: 3, 0: 1, 5: 8})
   steps = jnp.array([0, 1, 2, 4, 5, 1000], jnp.int32)
   assert _ints(jax.jit(jax.vmap(schedule))(steps)) == [1, 1, 3, 3, 8, 8]
   # Before the first boundary, every call updates.
-  assert int(accum_jax.every_k_schedule({3: 4})(jnp.int32(0))) == 1
+  assert int(accum_jax.piecewise_every_k({3: 4})(jnp.int32(0))) == 1
 
 
 @pytest.mark.parametrize(
@@ -632,7 +632,7 @@ def test_every_k_schedule_values():
 )
 def test_every_k_schedule_errors(boundaries, message):
   with pytest.raises(ValueError, match=re.escape(message)):
-    accum_jax.every_k_schedule(boundaries)
+    accum_jax.piecewise_every_k(boundaries)
 
 
 # ---------------------------------------------------------------------------

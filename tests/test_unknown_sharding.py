@@ -122,29 +122,30 @@ def _place(layout: Layout, mesh: jax.sharding.Mesh, spec: P) -> tuple[Any, Any]:
 
 class Door(NamedTuple):
   jit: Any  # jax.jit, nnx.jit or eqx.filter_jit
-  make: Any  # options -> the function the door returns
+  make: Any  # a DataParallel -> the function the door returns
   args: Any  # (weights, batch) -> its arguments
   grads: Any  # its output -> the gradient as a dict of weights
 
 
 def _door(name: str) -> Door:
   if name == "value_and_grad":
-    return Door(jax.jit, lambda o: accum_jax.value_and_grad(loss_fn, N, **o),
+    return Door(jax.jit, lambda o: accum_jax.value_and_grad(loss_fn, N, data_parallel=o),
                 lambda w, b: (w, b), lambda out: out[1])
   if name == "grad":
-    return Door(jax.jit, lambda o: accum_jax.grad(loss_fn, N, **o), lambda w, b: (w, b),
+    return Door(jax.jit, lambda o: accum_jax.grad(loss_fn, N, data_parallel=o), lambda w, b: (w, b),
                 lambda out: out)
   if name == "nnx_value_and_grad":
-    return Door(nnx.jit, lambda o: accum_jax.flax.nnx_value_and_grad(_module_loss, N, **o),
+    return Door(nnx.jit,
+                lambda o: accum_jax.flax.nnx_value_and_grad(_module_loss, N, data_parallel=o),
                 lambda w, b: (NnxMLP(w), b), lambda out: nnx.to_pure_dict(out[1]))
   if name == "filter_value_and_grad":
     return Door(eqx.filter_jit,
-                lambda o: accum_jax.equinox.filter_value_and_grad(_module_loss, N, **o),
+                lambda o: accum_jax.equinox.filter_value_and_grad(_module_loss, N, data_parallel=o),
                 lambda w, b: (EqxMLP(**w), b), lambda out: out[1].weights())
   assert name == "cached_value_and_grad"
   return Door(jax.jit,
               lambda o: accum_jax.cached_value_and_grad(
-                  lambda w, b: _hidden(w, b["x"]), _head, N, **o),
+                  lambda w, b: _hidden(w, b["x"]), _head, N, data_parallel=o),
               lambda w, b: (w, b), lambda out: out[1])
 
 
@@ -232,12 +233,12 @@ def test_the_natural_call_warns_and_the_fixes_it_names_shard_within_the_scans_me
   options = {"mesh": mesh, "data_axis": layout.data_axis}
   # The natural call: warned at trace time, naming the option that fixes it.
   with pytest.warns(accum_jax.UnknownShardingWarning, match=re.escape("param_sharding=")):
-    door.jit(door.make(options)).lower(*args)
+    door.jit(door.make(accum_jax.DataParallel(**options))).lower(*args)
   # Following the advice: no warning, gradients sharded like the weights, and no
   # more memory per device than the hand-written sharded scan (within 10%).
   with warnings.catch_warnings():
     warnings.simplefilter("error", accum_jax.UnknownShardingWarning)
-    jitted = door.jit(door.make({**options, "param_sharding": layout.spec}))
+    jitted = door.jit(door.make(accum_jax.DataParallel(**options, param_sharding=layout.spec)))
     compiled = _compiled(jitted, args)
     grads = door.grads(jitted(*args))
   _assert_sharded_like_and_right(grads, weights)
@@ -252,7 +253,7 @@ def test_the_natural_call_warns_and_the_fixes_it_names_shard_within_the_scans_me
   args = door.args(weights, batch)
   with warnings.catch_warnings(), jax.set_mesh(explicit):
     warnings.simplefilter("error", accum_jax.UnknownShardingWarning)
-    jitted = door.jit(door.make({"mesh": explicit, "data_axis": layout.data_axis}))
+    jitted = door.jit(door.make(accum_jax.DataParallel(explicit, layout.data_axis)))
     compiled = _compiled(jitted, args)
     grads = door.grads(jitted(*args))
   _assert_sharded_like_and_right(grads, weights)
@@ -269,12 +270,14 @@ def test_data_parallel_warns_unless_param_sharding_is_p_and_keeps_one_all_reduce
   mesh = _mesh(layout)
   weights, batch = _place(layout, mesh, P())  # replicated: data parallel
   grad_bytes = sum(w.nbytes for w in jax.tree.leaves(weights))
-  options = {"mesh": mesh, "data_axis": "data"}
+  natural_dp = accum_jax.DataParallel(mesh, "data")
   with pytest.warns(accum_jax.UnknownShardingWarning, match=re.escape("param_sharding=P()")):
-    natural = jax.jit(accum_jax.value_and_grad(loss_fn, N, **options)).lower(weights, batch)
+    natural = jax.jit(accum_jax.value_and_grad(loss_fn, N, data_parallel=natural_dp))
+    natural = natural.lower(weights, batch)
   with warnings.catch_warnings():
     warnings.simplefilter("error", accum_jax.UnknownShardingWarning)
-    said = jax.jit(accum_jax.value_and_grad(loss_fn, N, param_sharding=P(), **options))
+    said = jax.jit(accum_jax.value_and_grad(
+        loss_fn, N, data_parallel=accum_jax.DataParallel(mesh, "data", param_sharding=P())))
     said = said.lower(weights, batch)
   for lowered in (natural, said):
     found = _data_parallel_collectives(lowered.compile(), mesh)
@@ -295,7 +298,8 @@ def test_the_warning_names_the_leaves_and_their_cost_once_per_trace_at_the_calle
     return params["t"] * loss_fn({**weights, "w0": params["w"]}, batch) + jnp.sum(extra)
 
   extra = jax.device_put(jnp.ones(WIDTH), NamedSharding(mesh, P("data")))
-  step = jax.jit(accum_jax.value_and_grad(loss, N, argnums=(0, 2), batch_argnums=1, mesh=mesh))
+  step = jax.jit(accum_jax.value_and_grad(loss, N, argnums=(0, 2), batch_argnums=1,
+      data_parallel=accum_jax.DataParallel(mesh=mesh)))
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     step(params, batch, extra)
@@ -310,7 +314,7 @@ def test_the_warning_names_the_leaves_and_their_cost_once_per_trace_at_the_calle
       f"a full-size float32 accumulator of them ({kib:.1f} KiB here, where a sharded one"
       " holds as little as 1/8 of that)", "the gradient comes back replicated",
       "param_sharding=P() for replicated parameters, which also silences this warning",
-      "jax.make_mesh(..., axis_types=(AxisType.Explicit,) * k)", "jax.sharding.reshard",
+      "DataParallel(param_sharding=...)", "explicit mesh axes (AxisType.Explicit)",
       "call the step eagerly",
   ):
     assert part in message, (part, message)
@@ -319,5 +323,6 @@ def test_the_warning_names_the_leaves_and_their_cost_once_per_trace_at_the_calle
     step(params, jax.tree.map(lambda x: x[: BATCH // 2], batch), extra)
   with warnings.catch_warnings():
     warnings.simplefilter("error", accum_jax.UnknownShardingWarning)
-    accum_jax.value_and_grad(loss, N, argnums=(0, 2), batch_argnums=1, mesh=mesh)(
+    accum_jax.value_and_grad(loss, N, argnums=(0, 2), batch_argnums=1,
+        data_parallel=accum_jax.DataParallel(mesh=mesh))(
         params, batch, extra)
