@@ -55,18 +55,16 @@ def check_divisible(size: int, num_microbatches: int, num_shards: int = 1) -> No
     return
   if size % num_shards:
     raise ValueError(
-        f"A batch of {size} does not split over the {num_shards} devices of the"
-        f" data axis. Pad the batch to a multiple of {parts} (num_microbatches="
-        f"{num_microbatches} x {num_shards} devices), e.g. with pad_batch=True and a"
-        " weight_fn that gives rows of zeros zero weight."
+        f"A batch of {size} does not split over the {num_shards} devices of the data"
+        f" axis. Pad it to a multiple of {parts} (num_microbatches={num_microbatches} x"
+        f" {num_shards} devices) with rows that count for nothing (zero weight, or masked)."
     )
   where = "" if num_shards == 1 else f" on each of {num_shards} devices"
   choices = divisors(size // num_shards)
   raise ValueError(
       f"A batch of {size} does not split into num_microbatches={num_microbatches}"
-      f"{where}. Pad the batch to a multiple of {parts} with rows that count for"
-      " nothing (pass pad_batch=True, with a weight_fn that gives rows of zeros zero"
-      f" weight, e.g. through a mask), or choose num_microbatches among {choices}."
+      f"{where}. Pad it to a multiple of {parts} with rows that count for nothing (zero"
+      f" weight, or masked), or choose num_microbatches among {choices}."
   )
 
 

@@ -493,7 +493,7 @@ def test_nnx_grad_returns_grads_and_aux_like_nnx_grad():
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"state_argnums": 2}, "nnx_value_and_grad got state_argnums=2"),
+        ({"state_argnums": 2}, "nnx_value_and_grad does not take state_argnums=2"),
         ({"aux_reduction": "median"}, "aux_reduction='median' is not one of"),
         ({"num_microbatches": 0}, "num_microbatches=0 must be an int >= 1"),
         ({"argnums": (0, 2), "batch_argnums": 2}, "argnums=(0, 2) and batch_argnums=(2,) both"),
@@ -596,7 +596,8 @@ def test_nnx_value_and_grad_reaches_fsdp_from_the_variables_sharding_metadata(gi
   options = {"mesh": mesh, "data_axis": "data"}
   if given:
     options["param_sharding"] = nnx.get_partition_spec(nnx.state(model, nnx.Param))
-  vg = accum_jax.flax.nnx_value_and_grad(_nnx_sharded_loss, 2, **options)
+  vg = accum_jax.flax.nnx_value_and_grad(
+      _nnx_sharded_loss, 2, data_parallel=accum_jax.DataParallel(**options))
   compiled = nnx.jit(vg).lower(model, x, y).compile()
   loss, grads = nnx.jit(vg)(model, x, y)
 
