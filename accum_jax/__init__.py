@@ -16,7 +16,7 @@ from accum_jax import noise as noise
 from accum_jax._cached import cached_value_and_grad
 from accum_jax._host_schedule import HostSchedule
 from accum_jax._microbatch import MicrobatchInfo, grad, value_and_grad
-from accum_jax._multisteps import MultiSteps
+from accum_jax._multisteps import MultiSteps, MultiStepsState
 from accum_jax._options import DataParallel
 from accum_jax._schedules import EveryKSchedule, piecewise_every_k
 from accum_jax._sharding import UnknownShardingWarning
@@ -36,6 +36,7 @@ __all__ = (
     "HostSchedule",
     "MicrobatchInfo",
     "MultiSteps",
+    "MultiStepsState",
     "UnknownShardingWarning",
     "accumulate",
     "cached_value_and_grad",

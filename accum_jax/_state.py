@@ -18,8 +18,11 @@ from accum_jax import _core, _flat, _noise
 class AccumulationState(NamedTuple):
   """State of :func:`accumulate`.
 
-  The names ``mini_step``, ``gradient_step``, ``acc_grads`` and
-  ``inner_opt_state`` read as in ``optax.MultiStepsState``.
+  The names ``mini_step``, ``gradient_step`` and ``inner_opt_state`` read as in
+  ``optax.MultiStepsState``; ``acc_grads`` is the window's weighted sum whatever
+  the reduction. :class:`accum_jax.MultiSteps`' state,
+  :class:`accum_jax.MultiStepsState`, holds one and reads ``acc_grads`` as Optax
+  does (the running mean under ``use_grad_mean=True``).
   """
 
   # The current window; see _core.Accumulator. After a window closes, `total`

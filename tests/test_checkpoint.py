@@ -4,7 +4,8 @@ Two doors, one Linen model with BatchNorm and dropout:
 
 * ``accumulate``: a ``TrainState`` whose ``tx`` is ``accum_jax.accumulate(adam,
   every_k=4)``, saved after 2 of the 4 calls of a window, with half a window in
-  its accumulator;
+  its accumulator; ``multisteps`` the same with ``accum_jax.MultiSteps(adam, 4)``,
+  whose state wraps the accumulate state;
 * ``value_and_grad``: a ``TrainState`` with plain Adam and BatchNorm statistics,
   stepped by ``accum_jax.value_and_grad`` over 4 microbatches. A call holds no
   state between its microbatches, so it is saved between steps.
@@ -36,13 +37,14 @@ EVERY_K = 4
 NUM_MICROBATCHES = 4
 MICROBATCH_SIZE = 8
 # Calls made in all, and after how many the checkpoint is saved.
-TOTAL_CALLS = {"accumulate": 2 * EVERY_K, "value_and_grad": 4}
-CHECKPOINT_AFTER = {"accumulate": EVERY_K // 2, "value_and_grad": 2}
+TOTAL_CALLS = {"accumulate": 2 * EVERY_K, "multisteps": 2 * EVERY_K, "value_and_grad": 4}
+CHECKPOINT_AFTER = {"accumulate": EVERY_K // 2, "multisteps": EVERY_K // 2, "value_and_grad": 2}
 
 
 # Built once: a TrainState's tx is static, and a new one would recompile.
 OPTIMIZERS = {
     "accumulate": accum_jax.accumulate(optax.adam(1e-2), every_k=EVERY_K),
+    "multisteps": accum_jax.MultiSteps(optax.adam(1e-2), every_k_schedule=EVERY_K),
     "value_and_grad": optax.adam(1e-2),
 }
 
@@ -71,7 +73,7 @@ def batch_for(door: str, call: int) -> dict[str, np.ndarray]:
 def train_step(state: TrainState, batch: Any, door: str) -> TrainState:
   # The dropout key comes from the call count, which the checkpoint holds.
   key = jax.random.fold_in(jax.random.key(1), state.step)
-  if door == "accumulate":
+  if door in ("accumulate", "multisteps"):
     (_, (batch_stats, _)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
         state.params, state.batch_stats, batch, key
     )
@@ -101,7 +103,8 @@ def save(path: Path, state: TrainState) -> None:
 
 def restore(path: Path, door: str) -> TrainState:
   # The abstract state gives Orbax the tree to rebuild: the TrainState class, its
-  # tx, and the AccumulationState NamedTuple whose properties a dict would lose.
+  # tx, and the AccumulationState NamedTuple (or MultiStepsState) whose properties
+  # a dict would lose.
   abstract = jax.eval_shape(lambda: make_state(door))
   with ocp.StandardCheckpointer() as checkpointer:
     return checkpointer.restore(path, abstract)
@@ -116,6 +119,16 @@ def resume(door: str, checkpoint: Path, output: Path) -> None:
     assert isinstance(state.opt_state, accum_jax.AccumulationState), type(state.opt_state)
     assert int(state.opt_state.mini_step) == CHECKPOINT_AFTER[door]
     assert int(accum_jax.optimizer_step(state)) == 0
+  if door == "multisteps":
+    assert isinstance(state.opt_state, accum_jax.MultiStepsState), type(state.opt_state)
+    assert int(state.opt_state.mini_step) == CHECKPOINT_AFTER[door]
+    assert int(accum_jax.optimizer_step(state)) == 0
+    # The window's weighted mean, as optax.MultiSteps keeps it: not the sum.
+    mean = state.opt_state.acc_grads
+    weighted_sum = state.opt_state.accumulation.acc_grads
+    weight = state.opt_state.accumulation.accumulator.weight
+    for m, total in zip(jax.tree.leaves(mean), jax.tree.leaves(weighted_sum)):
+      np.testing.assert_allclose(m * weight, total, rtol=1e-5, atol=1e-6)
   state = train(state, door, range(CHECKPOINT_AFTER[door], TOTAL_CALLS[door]))
   np.savez(output, *(np.asarray(x) for x in jax.tree.leaves(state)))
 
@@ -143,6 +156,10 @@ def _run_test(door: str, tmp_path: Path) -> None:
 
 def test_accumulate_resumed_mid_window_in_a_fresh_process_is_bitwise_equal(tmp_path):
   _run_test("accumulate", tmp_path)
+
+
+def test_multisteps_resumed_mid_window_in_a_fresh_process_is_bitwise_equal(tmp_path):
+  _run_test("multisteps", tmp_path)
 
 
 def test_value_and_grad_loop_resumed_between_steps_in_a_fresh_process_is_bitwise_equal(tmp_path):

@@ -15,6 +15,7 @@ from helpers import (
   scan_updates,
   shapes_and_dtypes,
   stack_trees,
+  tolerance_for,
   tree_all_finite,
   tree_allclose,
   tree_weighted_mean,
@@ -65,15 +66,50 @@ def test_matches_optax_multisteps_on_finite_gradients(every_k_name, use_grad_mea
   assert _ints(our_states.mini_step) == _ints(their_states.mini_step)
   assert _ints(our_states.gradient_step) == _ints(their_states.gradient_step)
   assert _bools(ours.has_updated(our_states)) == _bools(theirs.has_updated(their_states))
-  # optax keeps the running mean of the window, accum_jax the sum.
-  window_size = our_states.mini_step if use_grad_mean else jnp.ones_like(our_states.mini_step)
-  tree_allclose(
-      our_states.acc_grads,
-      jax.tree.map(
-          lambda acc: acc * window_size.reshape((-1,) + (1,) * (acc.ndim - 1)),
-          their_states.acc_grads,
-      ),
+  tree_allclose(our_states.acc_grads, their_states.acc_grads)
+
+
+
+_INNERS = {"adam": optax.adam(0.1), "sgd with momentum": _INNER}
+
+
+@pytest.mark.parametrize("skip", [False, True], ids=["no skip function", "skip_not_finite"])
+@pytest.mark.parametrize("use_grad_mean", [True, False], ids=["grad mean", "grad sum"])
+@pytest.mark.parametrize("every_k_name", list(_EVERY_K))
+@pytest.mark.parametrize("inner_name", list(_INNERS))
+def test_state_reads_as_optax_multisteps_state_after_every_call(
+    inner_name, every_k_name, use_grad_mean, skip
+):
+  # The fields optax.MultiStepsState has, read after each call side by side:
+  # acc_grads the running mean (or sum) and zeros after an update, the
+  # counters, the inner state, what the skip function reported.
+  args = (
+      _INNERS[inner_name], _EVERY_K[every_k_name], use_grad_mean,
+      optax.skip_not_finite if skip else None,
   )
+  ours, theirs = accum_jax.MultiSteps(*args), optax.MultiSteps(*args)
+  params = make_params()
+  grads = microbatch_grads(params, 11, seed=3)
+  if skip:
+    # Rejected calls: one that would end the first window (every 3), one that
+    # would start a window (2 then 3), one mid-window.
+    nan = jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), grads[0])
+    grads[2] = grads[7] = nan
+  our_params, our_updates, our_states = scan_updates(ours, params, stack_trees(grads))
+  their_params, their_updates, their_states = scan_updates(
+      theirs.gradient_transformation(), params, stack_trees(grads)
+  )
+  assert _ints(our_states.mini_step) == _ints(their_states.mini_step)
+  assert _ints(our_states.gradient_step) == _ints(their_states.gradient_step)
+  assert shapes_and_dtypes(our_states.acc_grads) == shapes_and_dtypes(their_states.acc_grads)
+  tree_allclose(our_states.acc_grads, their_states.acc_grads)
+  tree_allclose(our_states.inner_opt_state, their_states.inner_opt_state)
+  tree_allclose(our_states.skip_state, their_states.skip_state)
+  tree_allclose(our_updates, their_updates)
+  tree_allclose(our_params, their_params)
+  # The last state alone (not stacked by the scan) reads the same.
+  last = jax.tree.map(lambda x: x[-1], our_states)
+  tree_allclose(last.acc_grads, jax.tree.map(lambda x: x[-1], their_states.acc_grads))
 
 
 def test_exposes_the_optax_multisteps_interface():
@@ -219,3 +255,78 @@ def test_float16_gradients_match_optax_multisteps_where_it_is_finite(accumulator
       rtol=1e-3,
       atol=1e-3,
   )
+
+
+@pytest.mark.parametrize("use_grad_mean", [True, False], ids=["grad mean", "grad sum"])
+def test_weighted_calls_read_as_the_weighted_mean_or_sum(use_grad_mean):
+  # No optax counterpart: weight= makes acc_grads the weighted mean (or sum),
+  # while the accumulate state underneath keeps the weighted sum either way.
+  opt = accum_jax.MultiSteps(optax.sgd(1.0), 3, use_grad_mean)
+  params = {"w": jnp.zeros(2)}
+  step = jax.jit(lambda g, state, w: opt.update({"w": g}, state, params, weight=w))
+  state = opt.init(params)
+  calls = [(jnp.array([1.0, -2.0]), 3.0), (jnp.array([5.0, 2.0]), 1.0)]
+  for g, w in calls:
+    updates, state = step(g, state, w)
+  weighted_sum = np.array([8.0, -4.0])
+  expected = weighted_sum / 4.0 if use_grad_mean else weighted_sum
+  np.testing.assert_allclose(state.acc_grads["w"], expected, rtol=1e-6)
+  np.testing.assert_allclose(state.accumulation.acc_grads["w"], weighted_sum, rtol=1e-6)
+  # A zero-weight call counts as a mini-step and ends the window; it adds nothing.
+  updates, state = step(jnp.array([100.0, 100.0]), state, 0.0)
+  np.testing.assert_allclose(updates["w"], -expected, rtol=1e-6)
+  assert (int(state.mini_step), int(state.gradient_step)) == (0, 1)
+  np.testing.assert_array_equal(state.acc_grads["w"], [0.0, 0.0])
+  # A window of zero weight so far reads zeros, not 0 / 0.
+  _, state = step(jnp.array([7.0, 7.0]), state, 0.0)
+  assert int(state.mini_step) == 1
+  np.testing.assert_array_equal(state.acc_grads["w"], [0.0, 0.0])
+
+
+@pytest.mark.skipif(
+    "accumulator_dtype" not in inspect.signature(optax.MultiSteps).parameters,
+    reason="this optax.MultiSteps has no accumulator_dtype to compare with",
+)
+def test_a_float16_accumulator_reads_the_sum_as_optax_does():
+  # The narrow accumulator holds the running mean; use_grad_mean=False reads it
+  # as Optax's float16 sum.
+  ours = accum_jax.MultiSteps(optax.sgd(1.0), 3, False, None, jnp.float16)
+  theirs = optax.MultiSteps(optax.sgd(1.0), 3, False, None, jnp.float16)
+  params = {"w": jnp.zeros(3, jnp.float16)}
+  grads = {"w": jnp.array([[1.5, -2.0, 0.25], [2.25, 4.0, -0.5]] * 2, jnp.float16)}
+  _, our_updates, our_states = scan_updates(ours, params, grads, apply_updates=False)
+  _, their_updates, their_states = scan_updates(
+      theirs.gradient_transformation(), params, grads, apply_updates=False
+  )
+  assert our_states.acc_grads["w"].dtype == jnp.float16
+  tree_allclose(our_states.acc_grads, their_states.acc_grads, **tolerance_for(jnp.float16))
+  tree_allclose(our_updates, their_updates, **tolerance_for(jnp.float16))
+
+
+def test_the_state_is_found_by_the_readers_and_survives_donation_and_abstract_state():
+  opt = accum_jax.MultiSteps(optax.adam(1e-2), every_k_schedule=2)
+  chained = optax.chain(optax.clip(1.0), opt.gradient_transformation())
+  params = make_params()
+  g1, g2, g3 = microbatch_grads(params, 3)
+  step = jax.jit(chained.update, donate_argnums=1)
+  state = chained.init(params)
+  for g in (g1, g2, g3):
+    _, state = step(g, state, params)
+  multisteps_state = state[1]
+  assert isinstance(multisteps_state, accum_jax.MultiStepsState)
+  assert not bool(accum_jax.has_updated(state)) and not bool(opt.has_updated(multisteps_state))
+  assert int(accum_jax.optimizer_step(state)) == 1
+  assert int(multisteps_state.mini_step) == 1
+  # optax.clip(1.0) runs first: the window holds g3, clipped.
+  tree_allclose(multisteps_state.acc_grads, jax.tree.map(lambda x: jnp.clip(x, -1.0, 1.0), g3))
+
+  target = accum_jax.checkpoint.abstract_state(opt, params)
+  assert isinstance(target, accum_jax.MultiStepsState) and target.use_grad_mean
+  assert jax.tree.structure(target) == jax.tree.structure(multisteps_state)
+  assert shapes_and_dtypes(target.acc_grads, weak_type=False) == shapes_and_dtypes(
+      params, weak_type=False
+  )
+  # Restored into the target's structure, the state takes the next update.
+  restored = jax.tree.unflatten(jax.tree.structure(target), jax.tree.leaves(multisteps_state))
+  updates, restored = jax.jit(opt.update)(g1, restored, params)
+  assert bool(opt.has_updated(restored)) and int(restored.gradient_step) == 2
