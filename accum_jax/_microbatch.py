@@ -54,7 +54,7 @@ class MicrobatchInfo(NamedTuple):
     total_weight: the sum of the kept microbatches' weights (their number when
       there is no ``weight_fn``); 0 when the step is skipped; shape=(),
       dtype=float32.
-    gradient_noise: with ``gradient_noise=True``, the :class:`GradientNoise`
+    gradient_noise: with ``gradient_noise=True``, the :class:`accum_jax.noise.GradientNoise`
       estimated from the microbatches' gradients (per unit of weight; per
       example without ``weight_fn``); else None.
     step_skipped: whether the step was skipped, its gradient returned NaN:

@@ -333,7 +333,7 @@ def _check_sharding_options(options: Options) -> None:
   if given and not options.data_parallel:
     raise ValueError(
         f"DataParallel({given[0]}) says how gradients cross devices, but names no mesh:"
-        " give it mesh= and data_axis= (or data_axis= under jax.set_mesh)."
+        " give it mesh and data_axis (or data_axis under jax.set_mesh)."
     )
 
 

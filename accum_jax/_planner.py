@@ -25,7 +25,7 @@ all were alive at once (temporaries are already packed by liveness inside
 used. The generated code is not counted.
 
 Under a mesh, a parameter sharded over a data axis can be reduced two ways
-(``gather=``, see :func:`accum_jax.value_and_grad`): ``"per_microbatch"`` keeps
+(``DataParallel(gather=...)``, see :class:`accum_jax.DataParallel`): ``"per_microbatch"`` keeps
 a sharded accumulator and reduce-scatters every microbatch's gradient, ``"once"``
 keeps a full-size local sum and reduce-scatters it once after the loop. Each is
 bisected, the leaner first, and the plan is the fastest that fits::
@@ -41,7 +41,7 @@ So the faster mode is bisected only up to the leaner mode's choice. Replicated
 parameters have one mode.
 
 The parameters' shardings are read from the arguments (arrays, or
-``jax.ShapeDtypeStruct`` with ``sharding=``) and passed on as ``param_sharding=``:
+``jax.ShapeDtypeStruct`` with ``sharding=``) and passed on in the ``DataParallel``:
 under ``jax.jit`` with automatic mesh axes the traced step cannot see them.
 """
 
@@ -88,8 +88,8 @@ class MicrobatchPlan:
       others are absent.
     memory_budget_bytes: the budget the estimates were held against.
     gather: under a mesh with parameters sharded over a data axis, the reduction
-      chosen, ``"per_microbatch"`` or ``"once"``: pass it to
-      :func:`accum_jax.value_and_grad` as ``gather=``. None where no parameter is
+      chosen, ``"per_microbatch"`` or ``"once"``: give it to the step's
+      :class:`accum_jax.DataParallel` as ``gather=``. None where no parameter is
       sharded over a data axis (nothing is gathered; leave the option out).
     gather_estimates: with sharded parameters, the estimate of every ``(gather,
       num_microbatches)`` compiled, the modes in the order above; empty otherwise.
@@ -257,7 +257,7 @@ def _gathers(
     call: _call.Call, args: tuple[Any, ...], options: Mapping[str, Any]
 ) -> tuple[str | None, ...]:
   """The reductions to compare: both gather modes where a parameter is sharded over
-  a data axis (unless ``gather=`` is given), else one (None)."""
+  a data axis (unless the DataParallel gives one), else one (None)."""
   if call.mesh is None:
     return (None,)
   params = _call.diff_args(_options.make(1, **options), args)
@@ -339,13 +339,12 @@ def plan_microbatches(
   analysis. The estimate covers the gradient step only: leave room in the
   budget for the optimizer update.
 
-  Under ``mesh=`` with parameters sharded over a data axis, both reductions
-  (``gather="per_microbatch"`` and ``gather="once"``) are compiled, and the plan
-  is the fastest that fits: the fewest microbatches, and at equal
-  ``num_microbatches`` ``gather="once"`` (no collective inside the loop). The
-  parameters' shardings are read from ``args`` (arrays, or
-  ``jax.ShapeDtypeStruct(..., sharding=...)``) unless ``param_sharding=`` is
-  given; the step needs them as ``param_sharding=`` too.
+  Under a mesh with parameters sharded over a data axis, both reductions
+  (``DataParallel(gather=...)``, ``"per_microbatch"`` and ``"once"``) are
+  compiled unless one is given, and the plan is the fastest that fits: the
+  fewest microbatches, and at equal ``num_microbatches`` ``"once"``. The
+  parameters' shardings are read from ``args`` unless ``param_sharding`` is
+  given; the step needs them as ``param_sharding`` too.
 
   See the guide: :doc:`/planner_parity`.
 
@@ -358,8 +357,7 @@ def plan_microbatches(
     candidates: the ``num_microbatches`` to choose from, each dividing the
       (per-device) batch size. None (default): all its divisors.
     **value_and_grad_options: the options of :func:`accum_jax.value_and_grad`
-      as the step will use them. With ``gather=`` given, only that reduction
-      is compiled.
+      as the step will use them.
 
   Returns:
     A :class:`MicrobatchPlan`: ``num_microbatches``, the ``estimates`` of the

@@ -133,7 +133,7 @@ def noise_scale_every_k(
     decay: float = 0.9,
     monotone: bool = True,
 ) -> NoiseScaleSchedule:
-  """``every_k`` for :func:`accumulate` that follows the gradient noise scale.
+  """``every_k`` for :func:`accum_jax.accumulate` that follows the gradient noise scale.
 
   The state keeps a :class:`accum_jax.noise.NoiseScaleEMA` of each window's
   :class:`accum_jax.noise.GradientNoise`; when a window is applied, the next one's

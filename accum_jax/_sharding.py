@@ -86,15 +86,15 @@ def resolve_mesh(mesh: Any, data_axis: Any) -> tuple[Any, tuple[str, ...]]:
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
       raise ValueError(
-          f"data_axis={data_axis!r} is given but there is no mesh: pass mesh=, or set"
-          " one with `with jax.set_mesh(mesh):` around the call."
+          f"data_axis={data_axis!r} is given but there is no mesh: give the DataParallel a"
+          " mesh=, or set one with `with jax.set_mesh(mesh):` around the call."
       )
   names = tuple(mesh.axis_names)
   if data_axis is None:
     if len(names) != 1:
       raise ValueError(
-          f"The mesh has axes {names}: pass data_axis= to name the one the batch is"
-          " sharded over (a tuple for several, e.g. data_axis=('replica', 'fsdp') for HSDP)."
+          f"The mesh has axes {names}: give the DataParallel data_axis= to name the one the"
+          " batch is sharded over (a tuple for several, e.g. ('replica', 'fsdp') for HSDP)."
       )
     return mesh, names
   axes = tuple(data_axis) if isinstance(data_axis, (tuple, list)) else (data_axis,)

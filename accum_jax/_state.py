@@ -154,7 +154,7 @@ def optimizer_step(state: Any) -> jax.Array:
   schedules see.
 
   Args:
-    state: as for :func:`has_updated`.
+    state: as for :func:`accum_jax.has_updated`.
 
   Returns:
     An int32 scalar; jit-friendly.
@@ -175,7 +175,7 @@ def last_window(state: Any) -> _noise.GradientNoise:
   """The :class:`accum_jax.noise.GradientNoise` of the last applied window.
 
   Args:
-    state: as for :func:`has_updated`, of an ``accumulate(...,
+    state: as for :func:`accum_jax.has_updated`, of an ``accumulate(...,
       gradient_noise=True)`` (or with a :func:`noise_scale_every_k` schedule).
 
   Returns:

@@ -252,7 +252,7 @@ def test_a_data_axis_that_is_not_in_the_mesh_is_refused():
 def test_a_multi_axis_mesh_needs_a_data_axis():
   mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
   vg = accum_jax.value_and_grad(mse_loss, 2, data_parallel=accum_jax.DataParallel(mesh=mesh))
-  with pytest.raises(ValueError, match=re.escape("pass data_axis= to name the one")):
+  with pytest.raises(ValueError, match=re.escape("data_axis= to name the one")):
     vg(make_params(), make_batch())
 
 
