@@ -81,7 +81,7 @@ def _check_supported(unsupported: dict[str, Any]) -> None:
 
 def _bind(
     options: _options.Options, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> _call.Call:
+) -> _call.Bound:
   """``_call.bind``, with a batch that does not split refused in this door's words."""
   # pad_batch=True only keeps bind from raising with advice (pad_batch, weight_fn)
   # that this door refuses; no padding is ever applied here.
@@ -370,7 +370,7 @@ def _data_parallel(step, args, *, batch_argnums, argnums, plan: _sharding.Plan, 
   )(dynamic)
 
 
-def _plan(options: _options.Options, call: _call.Call) -> _sharding.Plan:
+def _plan(options: _options.Options, call: _call.Bound) -> _sharding.Plan:
   """The call's reduction plan over the differentiated arguments as a tuple, as
   this door always holds them."""
   if not options.single_argnum:

@@ -116,7 +116,9 @@ def _aux_add(total: jax.Array, x: jax.Array, reduction: str, weight, kept, first
   return total + jnp.where(kept, x, jnp.zeros_like(x))
 
 
-def microbatches(options, call, args) -> tuple[dict[int, Any], jax.Array | None]:
+def microbatches(
+    options: _options.Options, call: _call.Bound, args: Sequence[Any]
+) -> tuple[dict[int, Any], jax.Array | None]:
   """This device's batch arguments split into microbatches (``(N, rows, ...)``, by
   argnum), and their weights (see :func:`_weights`)."""
   split = functools.partial(
@@ -410,7 +412,7 @@ def _passes(dev: _Device, start, xs):
   return carry, stacked, None
 
 
-def _drop_padding(x: jax.Array, call: _call.Call) -> jax.Array:
+def _drop_padding(x: jax.Array, call: _call.Bound) -> jax.Array:
   if x.shape[0] == call.batch_size:
     return x
   if call.mesh is not None and jax.sharding.AxisType.Explicit in call.mesh.axis_types:
