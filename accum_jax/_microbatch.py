@@ -96,6 +96,25 @@ class _Device(NamedTuple):
     return self.call.plan
 
 
+class _Carry(NamedTuple):
+  """What the loop carries from one microbatch to the next: the sums it adds into."""
+
+  acc: _core.Accumulator  # the weighted loss and gradient, with the kept weight and counts
+  aux_sums: list[Any]  # per aux leaf its sum or statistic; None where stacked ("concat", "stack")
+  state: Any  # the threaded state as the kept microbatches left it; None without state_argnums
+  noise: Any  # the gradient noise's _noise.NoiseSums; None without gradient_noise
+
+
+class _Inputs(NamedTuple):
+  """What the loop reads of each microbatch: the scan's inputs, a leading axis of
+  ``num_microbatches`` on every leaf (one slice of it inside a step)."""
+
+  number: jax.Array  # the microbatch's index on this device, which its keys are folded with
+  mb: dict[int, Any]  # its rows, by batch argnum
+  weight: jax.Array | None  # its weight (float32); None without weight_fn
+  known_bad: jax.Array  # left out by an earlier pass (the recheck's finding); False in the first
+
+
 def _aux_sum_dtype(dtype: Any, reduction: str) -> Any:
   """Means in float32 at least; sums of integers in integers, exactly; statistics
   ("max", "last") in their own dtype."""
@@ -157,7 +176,7 @@ def _batch_weight(weights, options, plan) -> jax.Array:
   return jnp.where(total > 0, total, 1.0)
 
 
-def _local_sums(call: _call.Call, args, shard_index):
+def _local_sums(call: _call.Call, args, shard_index) -> _sharding.LocalSums:
   """This device's microbatches (``args`` as it holds them), looped over; returns
   the un-normalised sums.
 
@@ -169,17 +188,18 @@ def _local_sums(call: _call.Call, args, shard_index):
   gathered = _sharding.gather(plan, params) if plan and plan.gather == "once" else None
   dev = _Device(call, args, shard_index, _batch_weight(weights, options, plan), gathered)
   start = _initial_carry(dev, params if gathered is None else gathered)
-  xs = (jnp.arange(options.num_microbatches), batch, weights)
-  (acc, aux_sums, state, noise), stacked, loss_finite = _passes(dev, start, xs)
+  n = options.num_microbatches
+  xs = _Inputs(jnp.arange(n), batch, weights, known_bad=jnp.zeros((n,), bool))
+  end, stacked, loss_finite = _passes(dev, start, xs)
   per_example = [
       _batching.unsplit(x, options.split) if r == "concat" else x
       for x, r in zip(stacked, shapes.reductions)
   ]
-  return _sharding.LocalSums(acc, aux_sums, state, per_example, noise, dev.batch_weight,
-                             loss_finite)
+  return _sharding.LocalSums(end.acc, end.aux_sums, end.state, per_example, end.noise,
+                             dev.batch_weight, loss_finite)
 
 
-def _initial_carry(dev: _Device, params: Any) -> tuple[Any, ...]:
+def _initial_carry(dev: _Device, params: Any) -> _Carry:
   """Empty sums (accumulator, aux, gradient noise) and the state passed in.
 
   The accumulator is shaped like ``params`` as this device holds them (a shard of
@@ -195,7 +215,7 @@ def _initial_carry(dev: _Device, params: Any) -> tuple[Any, ...]:
   ]
   state = dev.args[options.state_argnums[0]] if options.state_argnums else None
   noise = _noise.zero_sums() if options.gradient_noise else None
-  return acc, aux_sums, state, noise
+  return _Carry(acc, aux_sums, state, noise)
 
 
 def _by_loss(options, out: _trace.Out, weight, known_bad) -> jax.Array:
@@ -219,39 +239,38 @@ def _agreed(dev: _Device, *flags: jax.Array) -> tuple[jax.Array, ...]:
   return tuple(agreed)
 
 
-def _step(dev: _Device, carry, xs, *, judge: bool):
+def _step(dev: _Device, carry: _Carry, x: _Inputs, *, judge: bool):
   """One microbatch into the sums: its loss scaled by its share of the batch,
   reduced across devices where the plan says so, added where it is kept.
 
   Also returns, with ``skip_nonfinite="microbatch"``, whether its gradient is
   finite when ``judge`` (else True); otherwise whether its loss is finite.
   """
-  acc, aux_sums, state, noise = carry
-  index, mb, weight, known_bad = xs
+  acc, weight = carry.acc, x.weight
   share = (1.0 if weight is None else weight) / dev.batch_weight
-  out = _microbatch_out(dev, index, mb, state, share)
+  out = _microbatch_out(dev, x.number, x.mb, carry.state, share)
   if dev.options.skip_nonfinite and not dev.options.skip_step:
-    grads, admission, finite = _judged(dev, out, acc, weight, known_bad, judge)
+    grads, admission, finite = _judged(dev, out, acc, weight, x.known_bad, judge)
     state_kept = admission.keep & finite
   else:
     grads, admission = _unjudged(dev, out, acc, weight)
     # Recorded, not acted on: a scalar per microbatch, for info.loss_finite.
     finite = jnp.isfinite(out.raw_value) | ~admission.keep
     state_kept = admission.keep
-  kept = admission.keep
+  kept, noise, state = admission.keep, carry.noise, carry.state
   if dev.options.gradient_noise:  # without weight_fn, a microbatch weighs its rows
     size = dev.call.rows if weight is None else weight
     noise = _noise.add(noise, _gradients_only(out.grads, dev.shapes), size, kept, scale=share)
   value = _core.masked(out.value, kept)
   first = acc.weight == 0  # nothing kept before this microbatch
   acc = _core.add_share(acc, (value, grads), admission, dev.batch_weight, dev.shapes.kinds)
-  aux_sums, per_example = _aux_added(dev, aux_sums, out.aux, weight, kept, first)
+  aux_sums, per_example = _aux_added(dev, carry.aux_sums, out.aux, weight, kept, first)
   if dev.options.state_argnums:
     # The state goes on as the final pass will have it: without the microbatches
     # whose gradient is not finite (a select of a small state, which holds no
     # gradient back).
     state = jax.tree.map(lambda new, old: jnp.where(state_kept, new, old), out.state, state)
-  return (acc, aux_sums, state, noise), per_example, finite
+  return _Carry(acc, aux_sums, state, noise), per_example, finite
 
 
 def _microbatch_out(dev: _Device, index, mb, state, share) -> _trace.Out:
@@ -341,9 +360,9 @@ def _sums_not_finite(dev: _Device, acc: _core.Accumulator) -> jax.Array:
   return bad
 
 
-def _pass(dev: _Device, start, xs, known_bad: jax.Array, *, judge: bool):
-  """One pass over the microbatches from ``start``, leaving out ``known_bad``: a
-  ``lax.scan``, whose trip count XLA knows, with no conditional inside.
+def _pass(dev: _Device, start: _Carry, xs: _Inputs, *, judge: bool):
+  """One pass over the microbatches from ``start``, leaving out ``xs.known_bad``:
+  a ``lax.scan``, whose trip count XLA knows, with no conditional inside.
 
   Returns the sums, the per-example (or per-microbatch) aux leaves stacked by
   microbatch, and, when ``judge``, whether each microbatch's gradient is finite.
@@ -354,26 +373,27 @@ def _pass(dev: _Device, start, xs, known_bad: jax.Array, *, judge: bool):
     carry, per_example, finite = step(carry, x)
     return carry, (per_example, finite)
 
-  carry, (stacked, finite) = jax.lax.scan(body, start, (*xs, known_bad))
+  carry, (stacked, finite) = jax.lax.scan(body, start, xs)
   return carry, stacked, finite
 
 
-def _emptied(carry, dev: _Device):
+def _emptied(carry: _Carry, dev: _Device) -> _Carry:
   """``carry`` with its sums at zero and the state passed in: the start of a
   recheck pass. Zeros made here, in the recheck, rather than the first pass's
   ``start`` reused: that would keep a second set of sums alive beside the first
   pass's (its start buffers are the ones the first pass adds into)."""
-  acc, aux_sums, state, noise = carry
 
   def zero(x):
     return None if x is None else jnp.zeros_like(x)
 
+  state = carry.state
   if dev.options.state_argnums:
     state = dev.args[dev.options.state_argnums[0]]
-  return jax.tree.map(zero, acc), [zero(x) for x in aux_sums], state, jax.tree.map(zero, noise)
+  return _Carry(jax.tree.map(zero, carry.acc), [zero(x) for x in carry.aux_sums], state,
+                jax.tree.map(zero, carry.noise))
 
 
-def _passes(dev: _Device, start, xs):
+def _passes(dev: _Device, start: _Carry, xs: _Inputs):
   """The microbatches in one pass; with ``skip_nonfinite="microbatch"``, two more
   only where its sums are not finite. Returns the carry, the stacked per-example
   leaves and, with ``"step"``, whether each microbatch's loss is finite.
@@ -390,9 +410,7 @@ def _passes(dev: _Device, start, xs):
   loop of known trip count (2) around one pass, so the recheck compiles one
   more loop body, not two.
   """
-  n = dev.options.num_microbatches
-  none_bad = jnp.zeros((n,), bool)
-  carry, stacked, loss_finite = _pass(dev, start, xs, none_bad, judge=False)
+  carry, stacked, loss_finite = _pass(dev, start, xs, judge=False)
   if dev.options.skip_step:
     return carry, stacked, loss_finite
   if not dev.options.skip_nonfinite:
@@ -401,13 +419,15 @@ def _passes(dev: _Device, start, xs):
   def recheck(found):
     def again(_, loop):
       bad, (carry, _) = loop
-      carry, stacked, finite = _pass(dev, _emptied(carry, dev), xs, bad, judge=True)
+      carry, stacked, finite = _pass(dev, _emptied(carry, dev), xs._replace(known_bad=bad),
+                                     judge=True)
       return bad | ~finite, (carry, stacked)
 
-    return jax.lax.fori_loop(0, 2, again, (none_bad, found))[1]
+    # The first pass's inputs left nothing out: the recheck starts from them.
+    return jax.lax.fori_loop(0, 2, again, (xs.known_bad, found))[1]
 
   carry, stacked = jax.lax.cond(
-      _sums_not_finite(dev, carry[0]), recheck, lambda found: found, (carry, stacked)
+      _sums_not_finite(dev, carry.acc), recheck, lambda found: found, (carry, stacked)
   )
   return carry, stacked, None
 
