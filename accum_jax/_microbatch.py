@@ -115,6 +115,15 @@ class _Inputs(NamedTuple):
   known_bad: jax.Array  # left out by an earlier pass (the recheck's finding); False in the first
 
 
+class _Decided(NamedTuple):
+  """What a step decides about one microbatch before adding it."""
+
+  grads: Any  # its gradient reduced as the plan says, zero where it is not kept
+  admission: _core.Admission  # its weight, and whether it is kept or skipped
+  finite: jax.Array  # recorded per microbatch: its loss finite (as is), or its gradient (recheck)
+  state_kept: jax.Array  # whether the threaded state takes its new state
+
+
 def _aux_sum_dtype(dtype: Any, reduction: str) -> Any:
   """Means in float32 at least; sums of integers in integers, exactly; statistics
   ("max", "last") in their own dtype."""
@@ -239,24 +248,21 @@ def _agreed(dev: _Device, *flags: jax.Array) -> tuple[jax.Array, ...]:
   return tuple(agreed)
 
 
-def _step(dev: _Device, carry: _Carry, x: _Inputs, *, judge: bool):
-  """One microbatch into the sums: its loss scaled by its share of the batch,
-  reduced across devices where the plan says so, added where it is kept.
+# How a pass decides about each microbatch, given what it gives: one of
+# :func:`_added_as_is`, :func:`_kept_by_loss`, :func:`_kept_by_loss_and_gradient`.
+_Decide = Callable[[_Device, _trace.Out, _core.Accumulator, _Inputs], _Decided]
 
-  Also returns, with ``skip_nonfinite="microbatch"``, whether its gradient is
-  finite when ``judge`` (else True); otherwise whether its loss is finite.
+
+def _step(dev: _Device, decide: _Decide, carry: _Carry, x: _Inputs):
+  """One microbatch into the sums: its loss scaled by its share of the batch,
+  reduced across devices where the plan says so, added where ``decide`` keeps it.
+
+  Also returns its per-example aux leaves, and what ``decide`` records of it.
   """
   acc, weight = carry.acc, x.weight
   share = (1.0 if weight is None else weight) / dev.batch_weight
   out = _microbatch_out(dev, x.number, x.mb, carry.state, share)
-  if dev.options.skip_nonfinite and not dev.options.skip_step:
-    grads, admission, finite = _judged(dev, out, acc, weight, x.known_bad, judge)
-    state_kept = admission.keep & finite
-  else:
-    grads, admission = _unjudged(dev, out, acc, weight)
-    # Recorded, not acted on: a scalar per microbatch, for info.loss_finite.
-    finite = jnp.isfinite(out.raw_value) | ~admission.keep
-    state_kept = admission.keep
+  grads, admission, finite, state_kept = decide(dev, out, acc, x)
   kept, noise, state = admission.keep, carry.noise, carry.state
   if dev.options.gradient_noise:  # without weight_fn, a microbatch weighs its rows
     size = dev.call.rows if weight is None else weight
@@ -287,33 +293,56 @@ def _microbatch_out(dev: _Device, index, mb, state, share) -> _trace.Out:
   return _trace.run(call.fun, dev.args, dev.shard_index, index, mb, state, share, params)
 
 
-def _unjudged(dev: _Device, out: _trace.Out, acc, weight):
-  """A microbatch's gradient reduced as the plan says, added as it is (the
-  whole step is judged after the loop, or nothing is): the hand-written scan's
-  add, which XLA fuses into the gradient's last product.
+def _added_as_is(dev: _Device, out: _trace.Out, acc: _core.Accumulator, x: _Inputs) -> _Decided:
+  """``skip_nonfinite="step"`` or False: a microbatch's gradient reduced as the
+  plan says, added as it is (the whole step is judged after the loop, or nothing
+  is): the hand-written scan's add, which XLA fuses into the gradient's last
+  product. Records whether its loss is finite, not acted on: a scalar per
+  microbatch, for ``info.loss_finite``.
 
   Only a weight masks it: a zero-weight (padding) microbatch must add nothing
   even where its gradient is NaN, so with a ``weight_fn`` each leaf is selected
   by the weight, a scalar known before the gradient. Without one, no select.
   """
+  weight = x.weight
   admission = _core.admit(None, weight, skip_nonfinite=False)
   grads = out.grads
   if weight is not None:
     counts = jnp.isfinite(weight) & (weight > 0)
     grads = _sharding.masked(dev.plan, grads, counts, admission.keep)
-  return _sharding.scatter(dev.plan, grads, acc.total[1]), admission
+  grads = _sharding.scatter(dev.plan, grads, acc.total[1])
+  finite = jnp.isfinite(out.raw_value) | ~admission.keep
+  return _Decided(grads, admission, finite, admission.keep)
 
 
-def _judged(dev: _Device, out: _trace.Out, acc, weight, known_bad, judge: bool):
+def _kept_by_loss(dev: _Device, out: _trace.Out, acc: _core.Accumulator, x: _Inputs) -> _Decided:
+  """``skip_nonfinite="microbatch"``, the first pass: a microbatch is kept by its
+  loss alone; its gradient is not looked at (recorded as finite)."""
+  return _kept_if(dev, out, acc, x, lambda grads: jnp.array(True))
+
+
+def _kept_by_loss_and_gradient(
+    dev: _Device, out: _trace.Out, acc: _core.Accumulator, x: _Inputs
+) -> _Decided:
+  """``skip_nonfinite="microbatch"``, the recheck: a microbatch is kept by its
+  loss and what the recheck found so far, and records whether its gradient is
+  finite (for the pass that adds the others)."""
+  return _kept_if(dev, out, acc, x, _core.all_finite)
+
+
+def _kept_if(
+    dev: _Device, out: _trace.Out, acc: _core.Accumulator, x: _Inputs,
+    gradient_finite: Callable[[Any], jax.Array],
+) -> _Decided:
   """A microbatch's gradient reduced as the plan says, and what is decided about it.
 
   Returns the gradient (reduce-scattered where the plan says so, zero where it is
-  not kept), its :class:`_core.Admission`, and, when ``judge``, whether the
-  gradient is finite (else True). The admission reads the loss and ``known_bad``
-  alone, both known before the gradient: so the gradient's leaves are added as
-  they come, and none waits for a check of the others.
+  not kept), its :class:`_core.Admission`, and what ``gradient_finite`` says of
+  the reduced gradient. The admission reads the loss and ``known_bad`` alone,
+  both known before the gradient: so the gradient's leaves are added as they
+  come, and none waits for a check of the others.
   """
-  options = dev.options
+  options, weight = dev.options, x.weight
   grads = out.grads
   if weight is not None:
     # A zero (or bad) weight adds nothing, not even to other devices' shards,
@@ -323,8 +352,8 @@ def _judged(dev: _Device, out: _trace.Out, acc, weight, known_bad, judge: bool):
     counts = jnp.isfinite(weight) & (weight > 0)
     grads = _sharding.masked(dev.plan, grads, counts)
   grads = _sharding.scatter(dev.plan, grads, acc.total[1])
-  loss_ok = _by_loss(options, out, weight, known_bad)
-  finite = _core.all_finite(grads) if judge else jnp.array(True)
+  loss_ok = _by_loss(options, out, weight, x.known_bad)
+  finite = gradient_finite(grads)
   if weight is not None:
     # Padding is never judged: its gradient is left out whatever it holds, and a
     # local leaf's is not zeroed above (only a scattered one's is).
@@ -335,7 +364,7 @@ def _judged(dev: _Device, out: _trace.Out, acc, weight, known_bad, judge: bool):
   # is dropped where the devices agree to skip; what stays local, where this
   # device's microbatch is not kept.
   grads = _sharding.masked(dev.plan, grads, loss_ok, admission.keep)
-  return grads, admission, finite
+  return _Decided(grads, admission, finite, admission.keep & finite)
 
 
 def _aux_added(dev: _Device, aux_sums, aux, weight, kept, first):
@@ -360,14 +389,14 @@ def _sums_not_finite(dev: _Device, acc: _core.Accumulator) -> jax.Array:
   return bad
 
 
-def _pass(dev: _Device, start: _Carry, xs: _Inputs, *, judge: bool):
-  """One pass over the microbatches from ``start``, leaving out ``xs.known_bad``:
+def _pass(dev: _Device, decide: _Decide, start: _Carry, xs: _Inputs):
+  """One pass over the microbatches from ``start``, each decided by ``decide``:
   a ``lax.scan``, whose trip count XLA knows, with no conditional inside.
 
   Returns the sums, the per-example (or per-microbatch) aux leaves stacked by
-  microbatch, and, when ``judge``, whether each microbatch's gradient is finite.
+  microbatch, and what ``decide`` recorded of each microbatch.
   """
-  step = jax.named_call(functools.partial(_step, dev, judge=judge), name="accum_jax_microbatch")
+  step = jax.named_call(functools.partial(_step, dev, decide), name="accum_jax_microbatch")
 
   def body(carry, x):
     carry, per_example, finite = step(carry, x)
@@ -399,28 +428,35 @@ def _passes(dev: _Device, start: _Carry, xs: _Inputs):
   leaves and, with ``"step"``, whether each microbatch's loss is finite.
 
   With ``"step"`` (the default) and False, one pass that adds every microbatch
-  as it is; the step is judged after the loop (:func:`_finalise`).
+  as it is (:func:`_added_as_is`); the step is judged after the loop
+  (:func:`_finalise`).
 
-  The first pass judges each microbatch by its loss alone: a scalar, known
-  before the gradient, so no leaf of the gradient waits for the others and
-  nothing in the loop makes a GPU wait on the host. A gradient that is NaN or
-  Inf under a finite loss shows in the sums. Only then, under one conditional
-  after the loop, does the recheck run: a pass that finds which microbatches'
-  gradients are not finite, and one that adds the others. The two are one
-  loop of known trip count (2) around one pass, so the recheck compiles one
-  more loop body, not two.
+  With ``"microbatch"``, the first pass (:func:`_kept_by_loss`) judges each
+  microbatch by its loss alone: a scalar, known before the gradient, so no leaf
+  of the gradient waits for the others and nothing in the loop makes a GPU wait
+  on the host. A gradient that is NaN or Inf under a finite loss shows in the
+  sums. Only then, under one conditional
+  after the loop, does the recheck run (:func:`_kept_by_loss_and_gradient`): a
+  pass that finds which microbatches' gradients are not finite, and one that
+  adds the others. The two are one loop of known trip count (2) around one
+  pass, so the recheck compiles one more loop body, not two.
   """
-  carry, stacked, loss_finite = _pass(dev, start, xs, judge=False)
-  if dev.options.skip_step:
+  options = dev.options
+  by_microbatch = options.skip_nonfinite and not options.skip_step
+  first = _kept_by_loss if by_microbatch else _added_as_is
+  carry, stacked, loss_finite = _pass(dev, first, start, xs)
+  if options.skip_step:
     return carry, stacked, loss_finite
-  if not dev.options.skip_nonfinite:
+  if not options.skip_nonfinite:
     return carry, stacked, None
 
   def recheck(found):
     def again(_, loop):
       bad, (carry, _) = loop
-      carry, stacked, finite = _pass(dev, _emptied(carry, dev), xs._replace(known_bad=bad),
-                                     judge=True)
+      recheck_xs = xs._replace(known_bad=bad)
+      carry, stacked, finite = _pass(
+          dev, _kept_by_loss_and_gradient, _emptied(carry, dev), recheck_xs
+      )
       return bad | ~finite, (carry, stacked)
 
     # The first pass's inputs left nothing out: the recheck starts from them.
