@@ -67,7 +67,7 @@ _REFUSED = {
 
 def _bind(
     options: _options.Options, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> _call.Call:
+) -> _call.Bound:
   """``_call.bind``, with a batch that does not split refused in this door's words."""
   # pad_batch=True only keeps bind from raising with advice (pad_batch, weight_fn)
   # that this door refuses; no padding is ever applied here.
@@ -356,7 +356,7 @@ def _data_parallel(step, args, *, batch_argnums, argnums, plan: _sharding.Plan, 
   )(dynamic)
 
 
-def _plan(options: _options.Options, call: _call.Call) -> _sharding.Plan:
+def _plan(options: _options.Options, call: _call.Bound) -> _sharding.Plan:
   """The call's reduction plan over the differentiated arguments as a tuple, as
   this door always holds them."""
   if not options.single_argnum:
@@ -412,26 +412,26 @@ def cached_value_and_grad(
     >>> bool(jnp.allclose(grads["t"], full["t"]))
     True
   """
-  options = _options.make(
+  parsed = _options.make(
       num_microbatches, caller="cached_value_and_grad", refused=_REFUSED, **options
   )
-  if options.skip_nonfinite and not options.skip_step:
+  if parsed.skip_nonfinite and not parsed.skip_step:
     raise ValueError(
         "cached_value_and_grad does not take skip_nonfinite='microbatch': no chunk of a"
         " batch-coupled loss can be left out. Pass 'step' (the default) or False."
     )
 
   def wrapped(*args, **kwargs):
-    call = _bind(options, args, kwargs)
-    step = functools.partial(_step, embed_fn, loss_fn, options, call, kwargs)
+    call = _bind(parsed, args, kwargs)
+    step = functools.partial(_step, embed_fn, loss_fn, parsed, call, kwargs)
     if call.mesh is None:
       return step(args, _ONE_DEVICE)
-    plan = _plan(options, call)
+    plan = _plan(parsed, call)
     grad_specs = _sharding.grad_specs(plan)
-    out_specs = (P(), grad_specs[0] if options.single_argnum else grad_specs)
+    out_specs = (P(), grad_specs[0] if parsed.single_argnum else grad_specs)
     return _data_parallel(
-        step, args, batch_argnums=call.batch_argnums, argnums=options.argnums, plan=plan,
-        out_specs=out_specs + ((P(),) if options.return_info else ()),
+        step, args, batch_argnums=call.batch_argnums, argnums=parsed.argnums, plan=plan,
+        out_specs=out_specs + ((P(),) if parsed.return_info else ()),
     )
 
   return wrapped

@@ -1,19 +1,21 @@
-"""One call of a microbatched function, bound: everything its loop reads.
+"""One call of a microbatched function, bound and then traced: everything its loop reads.
 
-:func:`bind` resolves a call's positional arguments once: which are the batch
-and its sizes (the batch padded where ``pad_batch`` asks), the mesh and the
-reduction plan, how each gradient leaf combines and, given the function the
-loop differentiates, one microbatch traced (its outputs' shapes, how each aux
-leaf reduces, and the jitted microbatch the loop calls). The trace, the loop and
-the finalisation read the :class:`Call` it returns, and nothing after it goes
-back to the options. The inside-step door, the statistics door, the cached door,
-the planner and the parity checker bind the same way.
+:func:`bind` resolves a call's positional arguments once, into a :class:`Bound`:
+which are the batch and its sizes (the batch padded where ``pad_batch`` asks),
+the mesh and the reduction plan, and how each gradient leaf combines. Given the
+function the loop differentiates, :func:`traced` adds one microbatch traced (its
+outputs' shapes, how each aux leaf reduces, and the jitted microbatch the loop
+calls), making the :class:`Call` that the loop and the finalisation read; nothing
+after it goes back to the options. The inside-step door, the statistics door, the
+cached door, the planner and the parity checker bind the same way; only the
+doors that run the microbatch loop trace.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, overload
 
 import jax
 import jax.numpy as jnp
@@ -21,8 +23,9 @@ import jax.numpy as jnp
 from accum_jax import _batching, _core, _options, _sharding, _trace
 
 
-class Call(NamedTuple):
-  """What one call's arguments resolve to, and, once traced, one microbatch."""
+@dataclasses.dataclass(frozen=True)
+class Bound:
+  """What one call's arguments resolve to, before anything is traced."""
 
   options: _options.Options
   args: tuple[Any, ...]  # the positional arguments, the batch padded
@@ -35,17 +38,23 @@ class Call(NamedTuple):
   num_shards: int
   rows: int  # rows of one microbatch on one device
   grad_kinds: tuple[str, ...]  # how each gradient leaf combines; see `_options.grad_reductions`
-  plan: Any = None  # the checked _sharding.Plan under a mesh, else None
-  # Once traced (see `traced`), else None: what every microbatch's call needs (a
-  # _trace.Fun), one microbatch's outputs (_trace.Shapes), the jitted microbatch.
-  fun: Any = None
-  shapes: Any = None
-  microbatch: Any = None
+  plan: Any  # the checked _sharding.Plan under a mesh, else None
 
   def params(self, args: Sequence[Any] | None = None) -> Any:
     """The differentiated arguments (of ``args``, by default the call's),
     structured as their gradient is."""
     return diff_args(self.options, self.args if args is None else args)
+
+
+@dataclasses.dataclass(frozen=True)
+class Call(Bound):
+  """A :class:`Bound` call with one microbatch of its gradient function traced:
+  what the loop and the finalisation read. A type of its own, so that nothing
+  reads the traced fields of a call that was never traced."""
+
+  fun: _trace.Fun  # what every microbatch's call needs besides its data
+  shapes: _trace.Shapes  # one microbatch's outputs, and how each leaf combines
+  microbatch: Callable[..., _trace.Out]  # the jitted microbatch, its trace kept (one device)
 
 
 def diff_args(options: _options.Options, args: Sequence[Any]) -> Any:
@@ -55,13 +64,28 @@ def diff_args(options: _options.Options, args: Sequence[Any]) -> Any:
   return tuple(args[n] for n in options.argnums)
 
 
+@overload
+def bind(
+    options: _options.Options, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None,
+    grad_fun: None = None,
+) -> Bound: ...
+
+
+@overload
+def bind(
+    options: _options.Options, args: tuple[Any, ...], kwargs: dict[str, Any] | None,
+    grad_fun: Callable[..., Any],
+) -> Call: ...
+
+
 def bind(
     options: _options.Options, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None,
     grad_fun: Callable[..., Any] | None = None,
-) -> Call:
+) -> Bound:
   """Resolves one call's positional ``args``: their roles, the batch's sizes, how
-  each gradient leaf combines and, under a mesh, the checked reduction plan; with
-  ``grad_fun`` (:func:`_trace.checked`), one microbatch traced (:func:`traced`).
+  each gradient leaf combines and, under a mesh, the checked reduction plan: a
+  :class:`Bound`; with ``grad_fun`` (:func:`_trace.checked`), the :class:`Call`
+  with one microbatch of it traced (:func:`traced`).
 
   ValueError for anything about them that does not fit the options; an
   ``UnknownShardingWarning`` where the plan takes a parameter whose sharding the
@@ -84,12 +108,12 @@ def bind(
   plan = None if mesh is None else _plan(options, mesh, axes, params, kinds)
   if padding:
     args = tuple(_batching.pad(a, padding) if n in batch else a for n, a in enumerate(args))
-  call = Call(options, tuple(args), kwargs, batch, size, padding, mesh, axes, num_shards, rows,
-              kinds, plan)
+  call = Bound(options, tuple(args), kwargs, batch, size, padding, mesh, axes, num_shards, rows,
+               kinds, plan)
   return call if grad_fun is None else traced(call, grad_fun)
 
 
-def traced(call: Call, grad_fun: Callable[..., Any]) -> Call:
+def traced(call: Bound, grad_fun: Callable[..., Any]) -> Call:
   """``call`` with one microbatch of ``grad_fun`` traced (:func:`_trace.trace`)."""
   fun = _trace.Fun(grad_fun, call.options, call.batch_argnums, call.kwargs)
   params, plan = call.params(), call.plan
@@ -99,7 +123,8 @@ def traced(call: Call, grad_fun: Callable[..., Any]) -> Call:
       params, jax.tree.unflatten(jax.tree.structure(params), plan.leaves),
   )
   shapes, one = _trace.trace(fun, call.args, call.rows, seen, params, call.grad_kinds)
-  return call._replace(fun=fun, shapes=shapes, microbatch=one)
+  bound = {field.name: getattr(call, field.name) for field in dataclasses.fields(Bound)}
+  return Call(**bound, fun=fun, shapes=shapes, microbatch=one)
 
 
 def _checked_roles(options: _options.Options, args: tuple[Any, ...]) -> tuple[int, ...]:

@@ -96,6 +96,34 @@ class _Device(NamedTuple):
     return self.call.plan
 
 
+class _Carry(NamedTuple):
+  """What the loop carries from one microbatch to the next: the sums it adds into."""
+
+  acc: _core.Accumulator  # the weighted loss and gradient, with the kept weight and counts
+  aux_sums: list[Any]  # per aux leaf its sum or statistic; None where stacked ("concat", "stack")
+  state: Any  # the threaded state as the kept microbatches left it; None without state_argnums
+  noise: Any  # the gradient noise's _noise.NoiseSums; None without gradient_noise
+
+
+class _Inputs(NamedTuple):
+  """What the loop reads of each microbatch: the scan's inputs, a leading axis of
+  ``num_microbatches`` on every leaf (one slice of it inside a step)."""
+
+  number: jax.Array  # the microbatch's index on this device, which its keys are folded with
+  mb: dict[int, Any]  # its rows, by batch argnum
+  weight: jax.Array | None  # its weight (float32); None without weight_fn
+  known_bad: jax.Array  # left out by an earlier pass (the recheck's finding); False in the first
+
+
+class _Decided(NamedTuple):
+  """What a step decides about one microbatch before adding it."""
+
+  grads: Any  # its gradient reduced as the plan says, zero where it is not kept
+  admission: _core.Admission  # its weight, and whether it is kept or skipped
+  finite: jax.Array  # recorded per microbatch: its loss finite (as is), or its gradient (recheck)
+  state_kept: jax.Array  # whether the threaded state takes its new state
+
+
 def _aux_sum_dtype(dtype: Any, reduction: str) -> Any:
   """Means in float32 at least; sums of integers in integers, exactly; statistics
   ("max", "last") in their own dtype."""
@@ -116,7 +144,9 @@ def _aux_add(total: jax.Array, x: jax.Array, reduction: str, weight, kept, first
   return total + jnp.where(kept, x, jnp.zeros_like(x))
 
 
-def microbatches(options, call, args) -> tuple[dict[int, Any], jax.Array | None]:
+def microbatches(
+    options: _options.Options, call: _call.Bound, args: Sequence[Any]
+) -> tuple[dict[int, Any], jax.Array | None]:
   """This device's batch arguments split into microbatches (``(N, rows, ...)``, by
   argnum), and their weights (see :func:`_weights`)."""
   split = functools.partial(
@@ -155,7 +185,7 @@ def _batch_weight(weights, options, plan) -> jax.Array:
   return jnp.where(total > 0, total, 1.0)
 
 
-def _local_sums(call: _call.Call, args, shard_index):
+def _local_sums(call: _call.Call, args, shard_index) -> _sharding.LocalSums:
   """This device's microbatches (``args`` as it holds them), looped over; returns
   the un-normalised sums.
 
@@ -167,17 +197,18 @@ def _local_sums(call: _call.Call, args, shard_index):
   gathered = _sharding.gather(plan, params) if plan and plan.gather == "once" else None
   dev = _Device(call, args, shard_index, _batch_weight(weights, options, plan), gathered)
   start = _initial_carry(dev, params if gathered is None else gathered)
-  xs = (jnp.arange(options.num_microbatches), batch, weights)
-  (acc, aux_sums, state, noise), stacked, loss_finite = _passes(dev, start, xs)
+  n = options.num_microbatches
+  xs = _Inputs(jnp.arange(n), batch, weights, known_bad=jnp.zeros((n,), bool))
+  end, stacked, loss_finite = _passes(dev, start, xs)
   per_example = [
       _batching.unsplit(x, options.split) if r == "concat" else x
       for x, r in zip(stacked, shapes.reductions)
   ]
-  return _sharding.LocalSums(acc, aux_sums, state, per_example, noise, dev.batch_weight,
-                             loss_finite)
+  return _sharding.LocalSums(end.acc, end.aux_sums, end.state, per_example, end.noise,
+                             dev.batch_weight, loss_finite)
 
 
-def _initial_carry(dev: _Device, params: Any) -> tuple[Any, ...]:
+def _initial_carry(dev: _Device, params: Any) -> _Carry:
   """Empty sums (accumulator, aux, gradient noise) and the state passed in.
 
   The accumulator is shaped like ``params`` as this device holds them (a shard of
@@ -193,7 +224,7 @@ def _initial_carry(dev: _Device, params: Any) -> tuple[Any, ...]:
   ]
   state = dev.args[options.state_argnums[0]] if options.state_argnums else None
   noise = _noise.zero_sums() if options.gradient_noise else None
-  return acc, aux_sums, state, noise
+  return _Carry(acc, aux_sums, state, noise)
 
 
 def _by_loss(options, out: _trace.Out, weight, known_bad) -> jax.Array:
@@ -217,39 +248,35 @@ def _agreed(dev: _Device, *flags: jax.Array) -> tuple[jax.Array, ...]:
   return tuple(agreed)
 
 
-def _step(dev: _Device, carry, xs, *, judge: bool):
-  """One microbatch into the sums: its loss scaled by its share of the batch,
-  reduced across devices where the plan says so, added where it is kept.
+# How a pass decides about each microbatch, given what it gives: one of
+# :func:`_added_as_is`, :func:`_kept_by_loss`, :func:`_kept_by_loss_and_gradient`.
+_Decide = Callable[[_Device, _trace.Out, _core.Accumulator, _Inputs], _Decided]
 
-  Also returns, with ``skip_nonfinite="microbatch"``, whether its gradient is
-  finite when ``judge`` (else True); otherwise whether its loss is finite.
+
+def _step(dev: _Device, decide: _Decide, carry: _Carry, x: _Inputs):
+  """One microbatch into the sums: its loss scaled by its share of the batch,
+  reduced across devices where the plan says so, added where ``decide`` keeps it.
+
+  Also returns its per-example aux leaves, and what ``decide`` records of it.
   """
-  acc, aux_sums, state, noise = carry
-  index, mb, weight, known_bad = xs
+  acc, weight = carry.acc, x.weight
   share = (1.0 if weight is None else weight) / dev.batch_weight
-  out = _microbatch_out(dev, index, mb, state, share)
-  if dev.options.skip_nonfinite and not dev.options.skip_step:
-    grads, admission, finite = _judged(dev, out, acc, weight, known_bad, judge)
-    state_kept = admission.keep & finite
-  else:
-    grads, admission = _unjudged(dev, out, acc, weight)
-    # Recorded, not acted on: a scalar per microbatch, for info.loss_finite.
-    finite = jnp.isfinite(out.raw_value) | ~admission.keep
-    state_kept = admission.keep
-  kept = admission.keep
+  out = _microbatch_out(dev, x.number, x.mb, carry.state, share)
+  grads, admission, finite, state_kept = decide(dev, out, acc, x)
+  kept, noise, state = admission.keep, carry.noise, carry.state
   if dev.options.gradient_noise:  # without weight_fn, a microbatch weighs its rows
     size = dev.call.rows if weight is None else weight
     noise = _noise.add(noise, _gradients_only(out.grads, dev.shapes), size, kept, scale=share)
   value = _core.masked(out.value, kept)
   first = acc.weight == 0  # nothing kept before this microbatch
   acc = _core.add_share(acc, (value, grads), admission, dev.batch_weight, dev.shapes.kinds)
-  aux_sums, per_example = _aux_added(dev, aux_sums, out.aux, weight, kept, first)
+  aux_sums, per_example = _aux_added(dev, carry.aux_sums, out.aux, weight, kept, first)
   if dev.options.state_argnums:
     # The state goes on as the final pass will have it: without the microbatches
     # whose gradient is not finite (a select of a small state, which holds no
     # gradient back).
     state = jax.tree.map(lambda new, old: jnp.where(state_kept, new, old), out.state, state)
-  return (acc, aux_sums, state, noise), per_example, finite
+  return _Carry(acc, aux_sums, state, noise), per_example, finite
 
 
 def _microbatch_out(dev: _Device, index, mb, state, share) -> _trace.Out:
@@ -266,33 +293,56 @@ def _microbatch_out(dev: _Device, index, mb, state, share) -> _trace.Out:
   return _trace.run(call.fun, dev.args, dev.shard_index, index, mb, state, share, params)
 
 
-def _unjudged(dev: _Device, out: _trace.Out, acc, weight):
-  """A microbatch's gradient reduced as the plan says, added as it is (the
-  whole step is judged after the loop, or nothing is): the hand-written scan's
-  add, which XLA fuses into the gradient's last product.
+def _added_as_is(dev: _Device, out: _trace.Out, acc: _core.Accumulator, x: _Inputs) -> _Decided:
+  """``skip_nonfinite="step"`` or False: a microbatch's gradient reduced as the
+  plan says, added as it is (the whole step is judged after the loop, or nothing
+  is): the hand-written scan's add, which XLA fuses into the gradient's last
+  product. Records whether its loss is finite, not acted on: a scalar per
+  microbatch, for ``info.loss_finite``.
 
   Only a weight masks it: a zero-weight (padding) microbatch must add nothing
   even where its gradient is NaN, so with a ``weight_fn`` each leaf is selected
   by the weight, a scalar known before the gradient. Without one, no select.
   """
+  weight = x.weight
   admission = _core.admit(None, weight, skip_nonfinite=False)
   grads = out.grads
   if weight is not None:
     counts = jnp.isfinite(weight) & (weight > 0)
     grads = _sharding.masked(dev.plan, grads, counts, admission.keep)
-  return _sharding.scatter(dev.plan, grads, acc.total[1]), admission
+  grads = _sharding.scatter(dev.plan, grads, acc.total[1])
+  finite = jnp.isfinite(out.raw_value) | ~admission.keep
+  return _Decided(grads, admission, finite, admission.keep)
 
 
-def _judged(dev: _Device, out: _trace.Out, acc, weight, known_bad, judge: bool):
+def _kept_by_loss(dev: _Device, out: _trace.Out, acc: _core.Accumulator, x: _Inputs) -> _Decided:
+  """``skip_nonfinite="microbatch"``, the first pass: a microbatch is kept by its
+  loss alone; its gradient is not looked at (recorded as finite)."""
+  return _kept_if(dev, out, acc, x, lambda grads: jnp.array(True))
+
+
+def _kept_by_loss_and_gradient(
+    dev: _Device, out: _trace.Out, acc: _core.Accumulator, x: _Inputs
+) -> _Decided:
+  """``skip_nonfinite="microbatch"``, the recheck: a microbatch is kept by its
+  loss and what the recheck found so far, and records whether its gradient is
+  finite (for the pass that adds the others)."""
+  return _kept_if(dev, out, acc, x, _core.all_finite)
+
+
+def _kept_if(
+    dev: _Device, out: _trace.Out, acc: _core.Accumulator, x: _Inputs,
+    gradient_finite: Callable[[Any], jax.Array],
+) -> _Decided:
   """A microbatch's gradient reduced as the plan says, and what is decided about it.
 
   Returns the gradient (reduce-scattered where the plan says so, zero where it is
-  not kept), its :class:`_core.Admission`, and, when ``judge``, whether the
-  gradient is finite (else True). The admission reads the loss and ``known_bad``
-  alone, both known before the gradient: so the gradient's leaves are added as
-  they come, and none waits for a check of the others.
+  not kept), its :class:`_core.Admission`, and what ``gradient_finite`` says of
+  the reduced gradient. The admission reads the loss and ``known_bad`` alone,
+  both known before the gradient: so the gradient's leaves are added as they
+  come, and none waits for a check of the others.
   """
-  options = dev.options
+  options, weight = dev.options, x.weight
   grads = out.grads
   if weight is not None:
     # A zero (or bad) weight adds nothing, not even to other devices' shards,
@@ -302,8 +352,8 @@ def _judged(dev: _Device, out: _trace.Out, acc, weight, known_bad, judge: bool):
     counts = jnp.isfinite(weight) & (weight > 0)
     grads = _sharding.masked(dev.plan, grads, counts)
   grads = _sharding.scatter(dev.plan, grads, acc.total[1])
-  loss_ok = _by_loss(options, out, weight, known_bad)
-  finite = _core.all_finite(grads) if judge else jnp.array(True)
+  loss_ok = _by_loss(options, out, weight, x.known_bad)
+  finite = gradient_finite(grads)
   if weight is not None:
     # Padding is never judged: its gradient is left out whatever it holds, and a
     # local leaf's is not zeroed above (only a scattered one's is).
@@ -314,7 +364,7 @@ def _judged(dev: _Device, out: _trace.Out, acc, weight, known_bad, judge: bool):
   # is dropped where the devices agree to skip; what stays local, where this
   # device's microbatch is not kept.
   grads = _sharding.masked(dev.plan, grads, loss_ok, admission.keep)
-  return grads, admission, finite
+  return _Decided(grads, admission, finite, admission.keep & finite)
 
 
 def _aux_added(dev: _Device, aux_sums, aux, weight, kept, first):
@@ -339,78 +389,86 @@ def _sums_not_finite(dev: _Device, acc: _core.Accumulator) -> jax.Array:
   return bad
 
 
-def _pass(dev: _Device, start, xs, known_bad: jax.Array, *, judge: bool):
-  """One pass over the microbatches from ``start``, leaving out ``known_bad``: a
-  ``lax.scan``, whose trip count XLA knows, with no conditional inside.
+def _pass(dev: _Device, decide: _Decide, start: _Carry, xs: _Inputs):
+  """One pass over the microbatches from ``start``, each decided by ``decide``:
+  a ``lax.scan``, whose trip count XLA knows, with no conditional inside.
 
   Returns the sums, the per-example (or per-microbatch) aux leaves stacked by
-  microbatch, and, when ``judge``, whether each microbatch's gradient is finite.
+  microbatch, and what ``decide`` recorded of each microbatch.
   """
-  step = jax.named_call(functools.partial(_step, dev, judge=judge), name="accum_jax_microbatch")
+  step = jax.named_call(functools.partial(_step, dev, decide), name="accum_jax_microbatch")
 
   def body(carry, x):
     carry, per_example, finite = step(carry, x)
     return carry, (per_example, finite)
 
-  carry, (stacked, finite) = jax.lax.scan(body, start, (*xs, known_bad))
+  carry, (stacked, finite) = jax.lax.scan(body, start, xs)
   return carry, stacked, finite
 
 
-def _emptied(carry, dev: _Device):
+def _emptied(carry: _Carry, dev: _Device) -> _Carry:
   """``carry`` with its sums at zero and the state passed in: the start of a
   recheck pass. Zeros made here, in the recheck, rather than the first pass's
   ``start`` reused: that would keep a second set of sums alive beside the first
   pass's (its start buffers are the ones the first pass adds into)."""
-  acc, aux_sums, state, noise = carry
 
   def zero(x):
     return None if x is None else jnp.zeros_like(x)
 
+  state = carry.state
   if dev.options.state_argnums:
     state = dev.args[dev.options.state_argnums[0]]
-  return jax.tree.map(zero, acc), [zero(x) for x in aux_sums], state, jax.tree.map(zero, noise)
+  return _Carry(jax.tree.map(zero, carry.acc), [zero(x) for x in carry.aux_sums], state,
+                jax.tree.map(zero, carry.noise))
 
 
-def _passes(dev: _Device, start, xs):
+def _passes(dev: _Device, start: _Carry, xs: _Inputs):
   """The microbatches in one pass; with ``skip_nonfinite="microbatch"``, two more
   only where its sums are not finite. Returns the carry, the stacked per-example
   leaves and, with ``"step"``, whether each microbatch's loss is finite.
 
   With ``"step"`` (the default) and False, one pass that adds every microbatch
-  as it is; the step is judged after the loop (:func:`_finalise`).
+  as it is (:func:`_added_as_is`); the step is judged after the loop
+  (:func:`_finalise`).
 
-  The first pass judges each microbatch by its loss alone: a scalar, known
-  before the gradient, so no leaf of the gradient waits for the others and
-  nothing in the loop makes a GPU wait on the host. A gradient that is NaN or
-  Inf under a finite loss shows in the sums. Only then, under one conditional
-  after the loop, does the recheck run: a pass that finds which microbatches'
-  gradients are not finite, and one that adds the others. The two are one
-  loop of known trip count (2) around one pass, so the recheck compiles one
-  more loop body, not two.
+  With ``"microbatch"``, the first pass (:func:`_kept_by_loss`) judges each
+  microbatch by its loss alone: a scalar, known before the gradient, so no leaf
+  of the gradient waits for the others and nothing in the loop makes a GPU wait
+  on the host. A gradient that is NaN or Inf under a finite loss shows in the
+  sums. Only then, under one conditional
+  after the loop, does the recheck run (:func:`_kept_by_loss_and_gradient`): a
+  pass that finds which microbatches' gradients are not finite, and one that
+  adds the others. The two are one loop of known trip count (2) around one
+  pass, so the recheck compiles one more loop body, not two.
   """
-  n = dev.options.num_microbatches
-  none_bad = jnp.zeros((n,), bool)
-  carry, stacked, loss_finite = _pass(dev, start, xs, none_bad, judge=False)
-  if dev.options.skip_step:
+  options = dev.options
+  by_microbatch = options.skip_nonfinite and not options.skip_step
+  first = _kept_by_loss if by_microbatch else _added_as_is
+  carry, stacked, loss_finite = _pass(dev, first, start, xs)
+  if options.skip_step:
     return carry, stacked, loss_finite
-  if not dev.options.skip_nonfinite:
+  if not options.skip_nonfinite:
     return carry, stacked, None
 
   def recheck(found):
     def again(_, loop):
       bad, (carry, _) = loop
-      carry, stacked, finite = _pass(dev, _emptied(carry, dev), xs, bad, judge=True)
+      recheck_xs = xs._replace(known_bad=bad)
+      carry, stacked, finite = _pass(
+          dev, _kept_by_loss_and_gradient, _emptied(carry, dev), recheck_xs
+      )
       return bad | ~finite, (carry, stacked)
 
-    return jax.lax.fori_loop(0, 2, again, (none_bad, found))[1]
+    # The first pass's inputs left nothing out: the recheck starts from them.
+    return jax.lax.fori_loop(0, 2, again, (xs.known_bad, found))[1]
 
   carry, stacked = jax.lax.cond(
-      _sums_not_finite(dev, carry[0]), recheck, lambda found: found, (carry, stacked)
+      _sums_not_finite(dev, carry.acc), recheck, lambda found: found, (carry, stacked)
   )
   return carry, stacked, None
 
 
-def _drop_padding(x: jax.Array, call: _call.Call) -> jax.Array:
+def _drop_padding(x: jax.Array, call: _call.Bound) -> jax.Array:
   if x.shape[0] == call.batch_size:
     return x
   if call.mesh is not None and jax.sharding.AxisType.Explicit in call.mesh.axis_types:

@@ -213,7 +213,7 @@ def _check_budget(memory_budget_bytes: Any) -> int:
   return int(float(memory_budget_bytes))
 
 
-def _bind(args: tuple[Any, ...], options: Mapping[str, Any]) -> _call.Call:
+def _bind(args: tuple[Any, ...], options: Mapping[str, Any]) -> _call.Bound:
   """The call's roles and sizes for one microbatch: ``rows`` is the batch size each
   device splits into microbatches (padded)."""
   parsed = _options.make(1, **options)
@@ -254,7 +254,7 @@ def read_param_sharding(args: tuple[Any, ...], options: Mapping[str, Any]) -> An
 
 
 def _gathers(
-    call: _call.Call, args: tuple[Any, ...], options: Mapping[str, Any]
+    call: _call.Bound, args: tuple[Any, ...], options: Mapping[str, Any]
 ) -> tuple[str | None, ...]:
   """The reductions to compare: both gather modes where a parameter is sharded over
   a data axis (unless the DataParallel gives one), else one (None)."""
@@ -432,7 +432,7 @@ def _no_fit(
     leanest: Mapping[int, int],
     gather_estimates: Mapping[tuple[str, int], int],
     ordered: list[int],
-    call: _call.Call,
+    call: _call.Bound,
     budget: int,
 ) -> MemoryBudgetError:
   """The error when nothing fits: the smallest estimate, every estimate, what to try."""

@@ -22,6 +22,7 @@ same keys.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -57,7 +58,7 @@ def _split_out(out: Any, has_aux: bool) -> tuple[Any, Any, Any]:
   return loss, stats, aux
 
 
-def _check_stats_shapes(fun, call: _call.Call) -> None:
+def _check_stats_shapes(fun, call: _call.Bound) -> None:
   """Statistics are means over a microbatch's tokens: their shapes cannot depend on
   how many rows it has. Per-token values returned unreduced would be averaged
   position by position over the microbatches, silently wrong; one abstract trace
@@ -89,7 +90,7 @@ def _check_stats_shapes(fun, call: _call.Call) -> None:
           " the token mask as the loss is).")
 
 
-def _local_statistics(fun, call: _call.Call, args, shard_index):
+def _local_statistics(fun, call: _call.Bound, args, shard_index):
   """This device's weighted sums of its microbatches' statistics, and their weight.
 
   A forward pass per microbatch, with the rows and keys pass 2 gives it. A
@@ -121,7 +122,7 @@ def _local_statistics(fun, call: _call.Call, args, shard_index):
   return jax.tree.map(lambda s: jnp.sum(s, axis=0), stats), jnp.sum(w)
 
 
-def _statistics(fun, call: _call.Call) -> Any:
+def _statistics(fun, call: _call.Bound) -> Any:
   """Pass 1: the whole batch's statistics (every device's), float32."""
   local = functools.partial(_local_statistics, fun, call)
   if call.plan is None:
@@ -223,7 +224,7 @@ def stats_value_and_grad(
     stats = _statistics(fun, call)
     stats_value, coupling = _stats_loss_at(stats_loss, stats)
     # Pass 2 is the same call, with the coupling as one more (unsplit) argument.
-    pass_2 = _call.traced(call._replace(args=(*call.args, coupling)), linearised)
+    pass_2 = _call.traced(dataclasses.replace(call, args=(*call.args, coupling)), linearised)
     out, grads, *info = _microbatch.of_call(pass_2)
     correction = stats_value - sum(jnp.vdot(c, s) for c, s in
                                    zip(jax.tree.leaves(coupling), jax.tree.leaves(stats)))

@@ -775,7 +775,7 @@ def test_a_batch_that_does_not_split_names_both_numbers_and_suggests_padding():
   ) as error:
     accum_jax.value_and_grad(mse_loss, 4)(params, batch)
   assert "zero weight" in str(error.value)
-  assert "Pad the batch to a multiple of 4" in str(error.value)
+  assert "Pad it to a multiple of 4" in str(error.value)
 
 
 def test_batch_arguments_of_different_leading_sizes_are_refused():
