@@ -8,7 +8,6 @@ import importlib
 import json
 import os
 import platform
-import re
 import statistics
 import subprocess
 import sys
@@ -18,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import jax
+
+from accum_jax.testing import copied_shapes, hlo_shape
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -66,9 +67,6 @@ def compiled_flops(jitted: Any, *args: Any, **kwargs: Any) -> float:
   return float(costs.get("flops", float("nan")))
 
 
-_HLO_TYPES = {"float64": "f64", "float32": "f32", "bfloat16": "bf16", "float16": "f16"}
-
-
 def full_size_copies(compiled: jax.stages.Compiled, like: Any) -> int:
   """``copy`` instructions in ``compiled``'s HLO of arrays as large as ``like``'s largest.
 
@@ -76,65 +74,13 @@ def full_size_copies(compiled: jax.stages.Compiled, like: Any) -> int:
   ask for: XLA inserts one where it cannot give an output the buffer of the input
   it was computed from (donation paired that buffer with another output, or two
   outputs share one value, such as the zeros of several update leaves). Static:
-  a copy in a conditional's branch counts whether or not the branch runs.
+  a copy in a conditional's branch counts whether or not the branch runs; read
+  with ``accum_jax.testing.copied_shapes``, in every computation.
   """
   leaves = jax.tree.leaves(like)
   largest = max(x.size for x in leaves)
-  shapes = {
-      f"{_HLO_TYPES.get(str(x.dtype), str(x.dtype))}[{','.join(map(str, x.shape))}]"
-      for x in leaves
-      if x.size == largest
-  }
-  copies = re.findall(r"= (\S+)\{[^}]*\} copy\(", compiled.as_text())
-  return sum(shape in shapes for shape in copies)
-
-
-def _computations(text: str) -> dict[str, str]:
-  """The computations of an HLO module's text, by name (ENTRY's as "ENTRY")."""
-  found = {}
-  for block in re.split(r"\n(?=\S)", text):
-    head = re.match(r"(ENTRY )?%?([\w.\-]+)", block)
-    if head and "{" in block.splitlines()[0]:
-      found["ENTRY" if head.group(1) else head.group(2)] = block
-  return found
-
-
-def _kernel_computations(compiled: jax.stages.Compiled) -> list[str]:
-  """The entry computation and its conditionals' branches (nested ones too): the
-  computations whose instructions are kernels, not parts of one."""
-  computations = _computations(compiled.as_text())
-  pending = [computations["ENTRY"]]
-  found = []
-  while pending:
-    computation = pending.pop()
-    found.append(computation)
-    for names in re.findall(r"branch_computations=\{([^}]*)\}", computation):
-      pending.extend(computations[name] for name in re.findall(r"%?([\w.\-]+)", names))
-  return found
-
-
-def copied_shapes(compiled: jax.stages.Compiled) -> list[str]:
-  """The shapes (``f32[64,256]``, ``s32[]``) that the ``copy`` kernels of a compiled
-  program move: at the top level and in its conditionals' branches (a copy inside a
-  fusion is a layout change within a kernel, not counted)."""
-  return [shape for computation in _kernel_computations(compiled)
-          for shape in re.findall(r"= (\S+?)(?:\{[^}]*\})? copy\(", computation)]
-
-
-def entry_counts(compiled: jax.stages.Compiled) -> dict[str, int]:
-  """Fusions, copies and conditionals of a compiled program, as kernels go.
-
-  ``fusions``: at the top level (on a GPU about one kernel launch each, 10-15 us
-  whatever its size). ``copies``: :func:`copied_shapes`, each a kernel that moves a
-  buffer. ``conditionals``: at the top level (each kept one a wait of the host).
-  The CPU's compiled program shows the same shape as the GPU's.
-  """
-  entry = _kernel_computations(compiled)[0]
-  return {
-      "fusions": len(re.findall(r" fusion\(", entry)),
-      "copies": len(copied_shapes(compiled)),
-      "conditionals": len(re.findall(r" conditional\(", entry)),
-  }
+  shapes = {hlo_shape(x) for x in leaves if x.size == largest}
+  return sum(shape in shapes for shape in copied_shapes(compiled, "all"))
 
 
 def tree_nbytes(tree: Any) -> int:

@@ -21,7 +21,7 @@ device schedule (``apply`` left out: one program, a kept conditional), also with
 
 The rows take turns, a window each per round, so that machine noise falls on all
 alike; a row's micro-step is the median of its calls 1-7, its window the median of
-its windows' sums. Its compiled micro-step is counted (``_common.entry_counts``):
+its windows' sums. Its compiled micro-step is counted (``accum_jax.testing.kernel_counts``):
 top-level fusions (on a GPU about one kernel each, 10-15 us whatever its size),
 copies and conditionals.
 
@@ -43,16 +43,10 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
-from _common import (
-    copied_shapes,
-    entry_counts,
-    environment,
-    git_commit,
-    markdown_table,
-    write_json,
-)
+from _common import environment, git_commit, markdown_table, write_json
 
 import accum_jax
+from accum_jax.testing import copied_shapes, kernel_counts
 
 EVERY_K = 8
 ACC_FLOOR = "acc-only floor: gradient + f32 tree add"
@@ -269,7 +263,7 @@ def measure(params: Any, tokens: jax.Array, rounds: int) -> list[dict[str, Any]]
         "micro_step_ms": statistics.median(micro),
         "window_ms": statistics.median(1e3 * sum(w) for w in windows[name]),
         "state_buffers": len(jax.tree.leaves(built[name]["carry"][1])),
-        **entry_counts(micro_step_program(built[name])),
+        **kernel_counts(micro_step_program(built[name]))._asdict(),
         "leaf_copies": sum(not shape.endswith("[]")
                            for shape in copied_shapes(micro_step_program(built[name]))),
         "window_samples_ms": [[1e3 * t for t in w] for w in windows[name]],

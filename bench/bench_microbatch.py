@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import os
-import re
 import shutil
 import statistics
 import sys
@@ -65,7 +64,7 @@ from _common import (
 )
 
 import accum_jax
-from accum_jax.testing import collective_counts
+from accum_jax.testing import collective_counts, opcode_counts
 
 FULL = "full batch"
 SCAN = "lax.scan"
@@ -267,7 +266,8 @@ def collectives_worker(num_microbatches: int, batch_size: int, width: int, num_l
     hlo = compiled.as_text()
     counts = collective_counts(hlo)
     loops = 0 if method == FULL else num_microbatches
-    kinds = {op: len(re.findall(rf"\s{op}(?:-start)?\(", hlo)) for op in _COLLECTIVES}
+    ops = opcode_counts(hlo, "all")
+    kinds = {op: ops[op] + ops[f"{op}-start"] for op in _COLLECTIVES}
     result["methods"][method] = {
         "in_loop": counts.in_loop,
         "outside_loop": counts.outside_loop,

@@ -34,12 +34,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
-from _common import entry_counts, memory_analysis_dict, tree_nbytes
+from _common import memory_analysis_dict, tree_nbytes
 from gpu_budget import Budget
 from gpu_failures import error_status, report_failure
 from gpu_methods import ACCUM
 
 import accum_jax
+from accum_jax.testing import kernel_counts
 
 MULTISTEPS = "optax.MultiSteps"
 
@@ -267,8 +268,8 @@ def build_row(
   """The row's step, the gradient of ``tokens`` and its update in one jit, compiled for
   each ``apply`` it takes; and its entry: compile time (all programs), XLA's memory
   (of the program that applies; a host row's micro-step beside it), state bytes, and
-  what a micro-step launches (``_common.entry_counts``: top-level fusions, copies,
-  conditionals)."""
+  what a micro-step launches (``accum_jax.testing.kernel_counts``: top-level fusions,
+  copies, conditionals)."""
 
   def step(params, state, tokens, apply):
     return candidate.update(params, state, jax.grad(loss)(params, tokens), apply)
@@ -282,7 +283,7 @@ def build_row(
     programs[apply] = jitted.lower(own, state, tokens, apply=apply).compile()
   entry = {"compile_s": time.perf_counter() - start, "programs": len(programs),
            "xla": memory_analysis_dict(programs[applies[-1]]), "state_bytes": tree_nbytes(state),
-           "micro_step_counts": entry_counts(programs[applies[0]])}
+           "micro_step_counts": kernel_counts(programs[applies[0]])._asdict()}
   if len(programs) > 1:
     entry["micro_step_xla"] = memory_analysis_dict(programs[applies[0]])
   return Row(programs, applies, [own, state]), entry

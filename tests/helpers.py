@@ -18,6 +18,8 @@ import numpy as np
 import optax
 import pytest
 
+from accum_jax.testing import copied_shapes, hlo_shape
+
 # float32 round-off of a handful of additions and one division, with headroom.
 RTOL = 1e-5
 ATOL = 1e-6
@@ -100,6 +102,15 @@ def with_and_without_jit(test: Callable[..., None]) -> Callable[..., None]:
       *signature.parameters.values(), inspect.Parameter("jit", inspect.Parameter.KEYWORD_ONLY)
   ])
   return pytest.mark.parametrize("jit", ["jit", "eager"])(variant)
+
+
+def full_size_copies(compiled: Any, like: Any) -> int:
+  """``copy`` instructions anywhere in ``compiled`` of arrays shaped like ``like``'s
+  largest leaves: passes over memory the step did not ask for."""
+  leaves = jax.tree.leaves(like)
+  largest = max(x.size for x in leaves)
+  shapes = {hlo_shape(x) for x in leaves if x.size == largest}
+  return sum(shape in shapes for shape in copied_shapes(compiled, "all"))
 
 
 def tree_all_finite(tree: Any) -> bool:

@@ -245,15 +245,26 @@ def data_mesh():
   return jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
 
 
+DATA_PARALLEL_CHUNKS, DATA_PARALLEL_KEY = 2, 4
+
+
+@functools.cache
+def data_parallel_program():
+  """CLIP with dropout over 8 devices x 2 chunks x 2 rows, compiled once (test_xla_facts.py
+  reads it too)."""
+  vg = jax.jit(accum_jax.cached_value_and_grad(
+      embed_two, clip_loss, DATA_PARALLEL_CHUNKS, rng_argnums=2,
+          data_parallel=accum_jax.DataParallel(
+              mesh=data_mesh(), param_sharding=P()), return_info=True))
+  return vg.lower(make_params(), make_batch(32), jax.random.key(DATA_PARALLEL_KEY)).compile()
+
+
 def test_data_parallel_equals_the_full_batch_with_one_gradient_reduction():
   # 8 devices x 2 chunks x 2 rows, dropout on: chunk i of device d uses
   # fold_in(fold_in(key, i), d), as accum_jax.value_and_grad does.
-  mesh, num_chunks, key = data_mesh(), 2, jax.random.key(4)
+  num_chunks, key = DATA_PARALLEL_CHUNKS, jax.random.key(DATA_PARALLEL_KEY)
   params, batch = make_params(), make_batch(32)
-  vg = jax.jit(accum_jax.cached_value_and_grad(
-      embed_two, clip_loss, num_chunks, rng_argnums=2,
-          data_parallel=accum_jax.DataParallel(mesh=mesh, param_sharding=P()), return_info=True))
-  compiled = vg.lower(params, batch, key).compile()
+  compiled = data_parallel_program()
   loss, grads, info = compiled(params, batch, key)
 
   def key_of_chunk(c):  # c counts the chunks in batch order: device-major
@@ -265,10 +276,10 @@ def test_data_parallel_equals_the_full_batch_with_one_gradient_reduction():
   tree_allclose((loss, grads), (full_loss, full_grads))
   assert float(info.total_weight) == 8 * num_chunks
 
-  hlo = compiled.as_text()
-  assert collective_counts(hlo).in_loop == 0
-  all_reduces = len(re.findall(r"all-reduce(?:-start)?\(", hlo))
-  assert all_reduces == 1, f"{all_reduces} all-reduces"
+  # Reduced after the loop, not per chunk; into how many all-reduces XLA makes that
+  # one reduction of the loss, gradient and weights is its choice: test_xla_facts.py.
+  counts = collective_counts(compiled.as_text())
+  assert counts.in_loop == 0 and counts.outside_loop >= 1, counts
 
 
 def test_data_parallel_mesh_from_jax_set_mesh():

@@ -7,7 +7,8 @@ projection; the tests import it from there, so it cannot rot):
 
 - argument bytes: exactly the parameters' shard plus this device's rows of the batch;
 - output bytes: exactly the gradient, plus the loss (4 bytes) and XLA's tuple of
-  one 8-byte pointer per output;
+  one 8-byte pointer per output (XLA's bookkeeping: in test_xla_facts.py, on these
+  programs);
 - the while loop's carry, exactly: the arrays it updates (rank >= 2, floating) are
   the accumulator, the rank-2 arrays it passes on unchanged are the gathered
   parameters (data parallel: the parameters);
@@ -120,14 +121,11 @@ CASES = [
 
 
 @pytest.mark.parametrize(("mode", "width", "layers", "k"), CASES)
-def test_arguments_outputs_and_the_loop_carry_are_the_model_s_bytes_exactly(
-    mode, width, layers, k
-):
+def test_arguments_and_the_loop_carry_are_the_model_s_bytes_exactly(mode, width, layers, k):
   compiled, _, devices, cost = _compiled(mode, width, layers, k)
   stats = compiled.memory_analysis()
   local_batch = 2 * (BATCH // devices) * width * 4
   assert stats.argument_size_in_bytes == cost.param + local_batch
-  assert stats.output_size_in_bytes == cost.output + 4 + 8 * (layers + 1)
   carry = bench.loop_carry(compiled.as_text())
   assert carry.updated_bytes == cost.accumulator, carry
   gathered = sum(

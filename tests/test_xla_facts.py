@@ -1,0 +1,190 @@
+"""What XLA:CPU chooses, pinned: counts and bytes read off compiled programs.
+
+Each test here reads a number off a program that XLA:CPU compiled (how many
+fusions, copies or all-reduces it makes, how many bytes its output tuple takes)
+that the library's design does not fix: a JAX or jaxlib upgrade may change it with
+nothing wrong. Each says which fact it pins, what it was measured at, and what to
+do when an upgrade changes it. The design properties that the same programs show
+(no conditional in a micro-step, no all-reduce in the loop, no leaf copied) stay
+with their modules' tests, which compile these programs once for both: the
+programs are the cached ones of those modules, imported from them.
+
+All are marked ``xla_fact``: ``python -m pytest -m "not xla_fact"`` leaves them out,
+on a new JAX, until they are measured again (docs/development.md).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+import test_bench_micro_step as micro_step
+import test_cached as cached
+import test_cost_model as cost_model
+import test_sharding as sharding
+import test_step_cost as step_cost
+from helpers import full_size_copies
+
+import accum_jax
+from accum_jax.testing import collective_counts, collectives, kernel_counts
+
+# ---------------------------------------------------------------------------
+# Fusions.
+
+
+@pytest.fixture(scope="module")
+def step_fusions():
+  """Top-level fusions of test_step_cost.py's step (24 layers, 48 leaves), by mode."""
+  args = (step_cost._params(), jnp.ones((step_cost.BATCH, step_cost.WIDTH)))
+  return {
+      mode: kernel_counts(jax.jit(accum_jax.value_and_grad(step_cost._loss, step_cost.N, **kwargs))
+                          .lower(*args).compile()).fusions
+      for mode, kwargs in (("default", {}), ("no skip", {"skip_nonfinite": False}))
+  }
+
+
+@pytest.mark.xla_fact
+def test_the_step_check_after_the_loop_is_a_few_fusions_not_one_per_leaf(step_fusions):
+  """XLA:CPU makes the default's check of the packed sums after the loop (a copy and
+  a reduction, which it may split) at most 8 top-level fusions more than
+  ``skip_nonfinite=False``'s step: 102 against 98 on JAX 0.10.2. Unpacked, a
+  reduction per leaf would add 48 or more (two each where XLA:CPU splits them).
+
+  On a JAX upgrade that changes it: print ``step_fusions``; if the difference still
+  does not grow with the leaves (set ``test_step_cost.LAYERS`` to 48 and compare),
+  update the 8; if it does, the check is no longer packed, a regression.
+  """
+  assert step_fusions["default"] - step_fusions["no skip"] <= 8, step_fusions
+
+
+# ---------------------------------------------------------------------------
+# Copies.
+
+# test_transform.py holds the forms in which each state leaf keeps its buffer (no copy
+# at all); in these the state's buffers go to other outputs, or are not donated, and
+# how many copies XLA inserts then is its buffer assignment's choice.
+PARTIAL_DONATION = {
+    "jax.jit(tx.update, donate_argnums=1)": 1,
+    "jax.jit(tx.update), nothing donated": (),
+}
+
+
+def _bare_add(grads, acc, params=None):
+  """The floor: add the gradient to a sum, return zero updates; nothing else."""
+  del params
+  return jax.tree.map(jnp.zeros_like, grads), jax.tree.map(jnp.add, acc, grads)
+
+
+@pytest.mark.xla_fact
+@pytest.mark.parametrize("form", list(PARTIAL_DONATION))
+def test_a_call_that_only_accumulates_copies_only_what_the_form_moves(form):
+  """XLA:CPU's full-size copies (``helpers.full_size_copies``) in a call of
+  ``accumulate(adam)`` that only accumulates, jitted with less than the state donated.
+
+  With the state donated but not the gradient, the updates come first and take the
+  accumulator's buffers, and each state leaf the next one's: XLA copies Adam's
+  moments, which move on every call, and the gradient held as the updates (the
+  conditional's skip branch passes the window's sum through, so that XLA:GPU keeps
+  it), at most one copy each more than the floor (a bare jitted add, whose zero
+  updates take its accumulator's buffers). With nothing donated every output is a
+  new buffer: the moments passed through and the gradient held are copied, and
+  nothing else. 12 and 6 full-size copies on JAX 0.10.2. From tests/test_transform.py.
+
+  On a JAX upgrade that changes it: see which shapes are copied
+  (``accum_jax.testing.copied_shapes(compiled, "all")``); if XLA now copies what
+  no output needs moved, raise the bound here and say why; fewer copies need no
+  change.
+  """
+  # Several parameters share a shape, as in most models.
+  params = {f"layer{i}": {"w": jnp.ones((32, 32)), "b": jnp.ones(32)} for i in range(3)}
+  grads = jax.tree.map(lambda x: 0.5 * x, params)
+  opt = accum_jax.accumulate(optax.adam(1e-3), every_k=4)
+  state = opt.init(params)
+  donate = PARTIAL_DONATION[form]
+  copies = full_size_copies(
+      jax.jit(opt.update, donate_argnums=donate).lower(grads, state, params).compile(), params)
+  largest = max(x.size for x in jax.tree.leaves(params))
+  moments = sum(x.size == largest for x in jax.tree.leaves(state.inner_opt_state))
+  held = sum(x.size == largest for x in jax.tree.leaves(grads))
+  if donate == 1:
+    floor = full_size_copies(
+        jax.jit(_bare_add, donate_argnums=1).lower(grads, params, None).compile(), params)
+    assert copies <= floor + moments + held, (copies, floor, moments, held)
+  else:
+    assert copies <= moments + held, (copies, moments, held)
+
+
+@pytest.mark.xla_fact
+def test_the_device_schedule_copies_a_few_scalars_where_a_hand_written_cond_copies_leaves():
+  """XLA:CPU's copies (``kernel_counts``: at the top level and in the conditional's
+  branches) in the micro-step of bench/bench_micro_step.py's rows, on
+  test_bench_micro_step.py's GPT-2-shaped tree of 148 leaves: the device schedule's
+  conditional copies a few scalars (3 on JAX 0.10.2: a counter, flags), where a
+  hand-written ``lax.cond`` accumulator copies each leaf it passes through (140).
+  That none of the device schedule's copies is of a leaf is a design property,
+  checked in test_bench_micro_step.py.
+
+  On a JAX upgrade that changes it: re-measure with ``python
+  bench/bench_micro_step.py --quick`` (its "copies (of leaves)" column) and update
+  the 4; a hand-written conditional that copies 4 or fewer means XLA now aliases
+  what a branch passes through, and the contrast drawn in docs/benchmarks.md no
+  longer holds.
+  """
+  programs, bench = micro_step.micro_step_programs(), micro_step.bench_module()
+  device = kernel_counts(programs[bench.DEVICE])
+  hand = kernel_counts(programs[micro_step.HAND])
+  assert device.copies <= 4 < hand.copies, (device, hand)
+
+
+# ---------------------------------------------------------------------------
+# All-reduces.
+
+
+@pytest.mark.xla_fact
+def test_a_data_parallel_step_reduces_in_one_all_reduce():
+  """XLA (JAX 0.10 and later) keeps the one ``psum`` of the sums, weights and counts
+  after the loop as one all-reduce of a tuple; older XLA split it into one per
+  array. On test_sharding.py's data-parallel step of 4 microbatches; that none
+  runs in the loop is checked there.
+
+  On a JAX upgrade that changes it: list them
+  (``accum_jax.testing.collectives(hlo)``); several all-reduces after the loop,
+  none inside, is XLA splitting the reduction: update the 1.
+  """
+  counts = collective_counts(sharding.data_parallel_step_hlo())
+  assert counts.outside_loop == 1, counts
+
+
+@pytest.mark.xla_fact
+def test_the_cached_door_reduces_in_one_all_reduce():
+  """As above, for ``cached_value_and_grad`` on 8 devices (test_cached.py's CLIP
+  step with dropout): XLA makes its loss, gradient and weight one all-reduce.
+
+  On a JAX upgrade that changes it: as above; that none runs in the chunks' loops
+  is checked in test_cached.py.
+  """
+  found = collectives(cached.data_parallel_program().as_text())
+  all_reduces = [c for c in found if c.kind == "all-reduce"]
+  assert len(all_reduces) == 1, found
+
+
+# ---------------------------------------------------------------------------
+# Bytes.
+
+
+@pytest.mark.xla_fact
+@pytest.mark.parametrize(("mode", "width", "layers", "k"), cost_model.CASES)
+def test_output_bytes_are_the_gradient_the_loss_and_a_pointer_per_output(mode, width, layers, k):
+  """XLA:CPU's ``memory_analysis().output_size_in_bytes`` of test_cost_model.py's
+  steps: the gradient's shard, the loss (4 bytes), and its output tuple's table of
+  one 8-byte pointer per output (the layers' gradients and the loss).
+
+  On a JAX upgrade that changes it: if ``output_size_in_bytes - cost.output - 4``
+  is still the same for every mode at a size, XLA counts its tuple differently:
+  update the ``8 * (layers + 1)``; if it differs between modes, the gradient's
+  shard is not the model's, which test_cost_model.py's other checks should show.
+  """
+  compiled, _, _, cost = cost_model._compiled(mode, width, layers, k)
+  output = compiled.memory_analysis().output_size_in_bytes
+  assert output == cost.output + 4 + 8 * (layers + 1), (output, cost.output)
