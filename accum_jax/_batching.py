@@ -68,13 +68,6 @@ def check_divisible(size: int, num_microbatches: int, num_shards: int = 1) -> No
   )
 
 
-def pad(batch: Any, num_rows: int) -> Any:
-  """``batch`` with ``num_rows`` rows of zeros appended to every leaf."""
-  return jax.tree.map(
-      lambda x: jnp.pad(x, [(0, num_rows)] + [(0, 0)] * (jnp.ndim(x) - 1)), batch
-  )
-
-
 def split(x: jax.Array, num_microbatches: int, how: Split) -> jax.Array:
   """``x`` of shape ``(B, ...)`` as ``(num_microbatches, B / num_microbatches, ...)``."""
   size = x.shape[0] // num_microbatches

@@ -7,7 +7,7 @@ example with all the others, so it is no mean over microbatches and
 embeddings, and only the embedding is done chunk by chunk::
 
   options = _options.make(...)                  # once, when it is built
-  call = _bind(options, args)                   # per call: batch, sizes, mesh
+  call = _call.bind(options, args)              # per call: batch, sizes, mesh
   embeddings = _embed(...)                      # pass 1: lax.scan, forward only
   loss, aux, direct, cotangents = _loss(...)    # d loss / d embeddings, whole batch
   acc = _pull_back(...)                         # pass 2: lax.scan of jax.vjp, summed
@@ -63,28 +63,6 @@ _REFUSED = {
     "reduction": "each gradient leaf is the whole batch's, and none is a statistic to reduce.",
     "gradient_dtype": "the gradient comes back in the parameters' dtype; cast it after.",
 }
-
-
-def _bind(
-    options: _options.Options, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> _call.Bound:
-  """``_call.bind``, with a batch that does not split refused in this door's words."""
-  # pad_batch=True only keeps bind from raising with advice (pad_batch, weight_fn)
-  # that this door refuses; no padding is ever applied here.
-  call = _call.bind(options._replace(pad_batch=True), args, kwargs)
-  if call.padding:
-    parts = options.num_microbatches * call.num_shards
-    where = "" if call.num_shards == 1 else f" x {call.num_shards} devices"
-    per_device, uneven = divmod(call.batch_size, call.num_shards)
-    choices = "" if uneven else (
-        f", or choose num_microbatches among {_batching.divisors(per_device)}"
-    )
-    raise ValueError(
-        f"A batch of {call.batch_size} does not split into num_microbatches="
-        f"{options.num_microbatches}{where}. Pad it to a multiple of {parts} with rows"
-        f" that loss_fn masks out{choices}."
-    )
-  return call
 
 
 class _Devices(NamedTuple):
@@ -422,7 +400,7 @@ def cached_value_and_grad(
     )
 
   def wrapped(*args, **kwargs):
-    call = _bind(parsed, args, kwargs)
+    call = _call.bind(parsed, args, kwargs)
     step = functools.partial(_step, embed_fn, loss_fn, parsed, call, kwargs)
     if call.mesh is None:
       return step(args, _ONE_DEVICE)

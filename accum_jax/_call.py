@@ -1,7 +1,7 @@
 """One call of a microbatched function, bound and then traced: everything its loop reads.
 
 :func:`bind` resolves a call's positional arguments once, into a :class:`Bound`:
-which are the batch and its sizes (the batch padded where ``pad_batch`` asks),
+which are the batch and its sizes,
 the mesh and the reduction plan, and how each gradient leaf combines. Given the
 function the loop differentiates, :func:`traced` adds one microbatch traced (its
 outputs' shapes, how each aux leaf reduces, and the jitted microbatch the loop
@@ -28,11 +28,10 @@ class Bound:
   """What one call's arguments resolve to, before anything is traced."""
 
   options: _options.Options
-  args: tuple[Any, ...]  # the positional arguments, the batch padded
+  args: tuple[Any, ...]  # the positional arguments
   kwargs: dict[str, Any]
   batch_argnums: tuple[int, ...]
-  batch_size: int  # before padding
-  padding: int  # rows of zeros appended to reach a multiple of the parts
+  batch_size: int
   mesh: Any  # None without data parallelism
   data_axes: tuple[str, ...]  # () without
   num_shards: int
@@ -99,17 +98,13 @@ def bind(
   if options.data_parallel:
     mesh, axes = _sharding.resolve_mesh(options.mesh, options.data_axis)
     num_shards = _sharding.num_shards(mesh, axes)
-  padding = -size % (options.num_microbatches * num_shards)
-  if padding and not options.pad_batch:
-    _batching.check_divisible(size, options.num_microbatches, num_shards)
-  rows = (size + padding) // (num_shards * options.num_microbatches)
+  _batching.check_divisible(size, options.num_microbatches, num_shards)
+  rows = size // (num_shards * options.num_microbatches)
   params = diff_args(options, args)
   kinds = _options.grad_reductions(options.reduction, params)
   plan = None if mesh is None else _plan(options, mesh, axes, params, kinds)
-  if padding:
-    args = tuple(_batching.pad(a, padding) if n in batch else a for n, a in enumerate(args))
-  call = Bound(options, tuple(args), kwargs, batch, size, padding, mesh, axes, num_shards, rows,
-               kinds, plan)
+  call = Bound(options, tuple(args), kwargs, batch, size, mesh, axes, num_shards, rows, kinds,
+               plan)
   return call if grad_fun is None else traced(call, grad_fun)
 
 

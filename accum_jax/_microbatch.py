@@ -468,22 +468,10 @@ def _passes(dev: _Device, start: _Carry, xs: _Inputs):
   return carry, stacked, None
 
 
-def _drop_padding(x: jax.Array, call: _call.Bound) -> jax.Array:
-  if x.shape[0] == call.batch_size:
-    return x
-  if call.mesh is not None and jax.sharding.AxisType.Explicit in call.mesh.axis_types:
-    # An explicitly sharded batch axis cannot be cut to a size the devices do
-    # not divide; the rows are gathered first.
-    x = jax.reshard(x, jax.sharding.NamedSharding(call.mesh, jax.sharding.PartitionSpec()))
-  return x[:call.batch_size]
-
-
 def _aux_result(total, per_example, like, reduction, weight, call) -> jax.Array:
   if _core.is_statistic(reduction):
     return _core.statistic_result(total, like.dtype, weight)
-  if reduction == "concat":
-    return _drop_padding(per_example, call)
-  if reduction == "stack":
+  if reduction in ("concat", "stack"):
     return per_example
   if reduction == "mean":
     total = total / jnp.where(weight > 0, weight, 1.0).astype(total.dtype)

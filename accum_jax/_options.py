@@ -46,7 +46,6 @@ class Options(NamedTuple):
   aux_reduction: Any  # None, a string, or a pytree prefix of the aux; see `aux_reductions`
   reduction: Any  # None, a string, a pytree prefix or a callable; see `grad_reductions`
   split: _batching.Split
-  pad_batch: bool
   accumulator_dtype: Any
   skip_nonfinite: bool  # non-finite data is skipped, one way or the other
   mesh: Any
@@ -250,7 +249,6 @@ def make(
       batch_argnums=batch, rng_argnums=argnums_tuple(o["rng_argnums"], "rng_argnums"),
       state_argnums=state, has_aux=o["has_aux"], weight_fn=o["weight_fn"],
       aux_reduction=o["aux_reduction"], reduction=o["reduction"], split=dp.split,
-      pad_batch=False,
       accumulator_dtype=_core.canonicalize_accumulator_dtype(o["accumulator_dtype"]),
       skip_nonfinite=skip is not False, skip_step=skip == "step", mesh=dp.mesh,
       data_axis=dp.data_axis, param_sharding=dp.param_sharding,

@@ -373,7 +373,8 @@ def test_a_batch_that_does_not_split_names_both_numbers():
   vg = accum_jax.cached_value_and_grad(embed_one, supcon_loss, 3)
   with pytest.raises(ValueError, match=re.escape(
       "A batch of 16 does not split into num_microbatches=3. Pad it to a multiple of 3 with"
-      " rows that loss_fn masks out, or choose num_microbatches among [1, 2, 4, 8, 16].")):
+      " rows that count for nothing (zero weight, or masked), or choose num_microbatches among"
+      " [1, 2, 4, 8, 16].")):
     jax.jit(vg)(make_params(), make_batch())
 
 
