@@ -9,6 +9,8 @@ import pytest
 import accum_jax
 import accum_jax.equinox
 import accum_jax.flax
+import accum_jax.privacy
+import accum_jax.testing
 from accum_jax import _options
 
 # The functions that take value_and_grad's options, by the name their errors use.
@@ -106,3 +108,22 @@ def test_multisteps_keeps_optax_names():
   assert set(_keyword_parameters(accum_jax.MultiSteps)) >= {
       "opt", "every_k_schedule", "use_grad_mean", "should_skip_update_fn"}
   assert callable(accum_jax.MultiSteps(optax.sgd(1.0), 2).init)
+
+
+def _public_docstrings():
+  for module in (accum_jax, accum_jax.noise, accum_jax.diagnostics, accum_jax.checkpoint,
+                 accum_jax.flax, accum_jax.equinox, accum_jax.privacy, accum_jax.testing):
+    for name in module.__all__:
+      obj = getattr(module, name)
+      yield f"{module.__name__}.{name}", obj
+      if inspect.isclass(obj):
+        for attr, value in vars(obj).items():
+          documented = inspect.isfunction(value) or isinstance(value, property)
+          if documented and not attr.startswith("_"):
+            yield f"{module.__name__}.{name}.{attr}", value
+
+
+def test_every_public_docstring_is_at_most_60_lines_the_guides_hold_the_rest():
+  long = {name: len(inspect.getdoc(obj).splitlines()) for name, obj in _public_docstrings()
+          if inspect.getdoc(obj) and len(inspect.getdoc(obj).splitlines()) > 60}
+  assert not long, long
