@@ -32,8 +32,6 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from accum_jax import _batching, _call, _core, _options, _sharding, _trace
@@ -284,54 +282,21 @@ def _step(embed_fn, loss_fn, options, call, kwargs, args, devices) -> Any:
   return _finalise(options, args, loss, devices.reduce(acc), devices)
 
 
-def _in_specs(args, batch_argnums, argnums, plan: _sharding.Plan) -> list[P]:
-  """Per leaf of ``args``: the batch split over the data axes, the parameters as
-  the plan says (its leaves follow ``argnums``' order), anything else replicated."""
-  sizes = [len(jax.tree.leaves(args[n])) for n in argnums]
-  starts = np.cumsum([0, *sizes])
-  by_argnum = {
-      n: [leaf.spec for leaf in plan.leaves[starts[k]:starts[k + 1]]]
-      for k, n in enumerate(argnums)
-  }
-  specs: list[P] = []
-  for n, arg in enumerate(args):
-    count = len(jax.tree.leaves(arg))
-    if n in batch_argnums:
-      specs += [P(plan.axes)] * count
-    else:
-      specs += by_argnum.get(n, [P()] * count)
-  return specs
-
-
 def _data_parallel(step, args, *, batch_argnums, argnums, plan: _sharding.Plan, out_specs) -> Any:
-  """``step`` on each device's rows of the batch, inside ``jax.shard_map``.
+  """``step`` on each device's rows of the batch, inside ``jax.shard_map``
+  (:func:`_sharding.map_devices`).
 
   The parameters enter as the plan says: replicated over the data axes, or this
   device's shard (gathered in the step, reduce-scattered back). Non-array
   leaves of the arguments stay outside ``shard_map``.
   """
-  mesh, axis = plan.mesh, plan.axes
-  leaves, treedef = jax.tree.flatten(args)
-  specs = _in_specs(args, batch_argnums, argnums, plan)
-  at = [i for i, x in enumerate(leaves) if isinstance(x, (jax.Array, np.ndarray, np.generic))]
-  dynamic, dynamic_specs = [leaves[i] for i in at], [specs[i] for i in at]
-  if jax.sharding.AxisType.Explicit in mesh.axis_types:
-    # Under explicit sharding shard_map takes arguments only as its specs say.
-    dynamic = [jax.reshard(x, NamedSharding(mesh, s)) for x, s in zip(dynamic, dynamic_specs)]
+  def per_device(args, shard_index):
+    return step(args, _Devices(plan.axes, shard_index, plan.num_shards, plan))
 
-  def per_device(dynamic):
-    local = list(leaves)
-    for i, x in zip(at, dynamic):
-      local[i] = x
-    devices = _Devices(axis, jax.lax.axis_index(axis), plan.num_shards, plan)
-    return step(jax.tree.unflatten(treedef, local), devices)
-
-  # check_vma=False: each device's gradient sum stays its own partial sum until
-  # the one reduction in _Devices.reduce. axis_names: only the data axis is manual.
-  return jax.shard_map(
-      per_device, mesh=mesh, in_specs=(dynamic_specs,), out_specs=out_specs, check_vma=False,
-      axis_names=set(axis),
-  )(dynamic)
+  return _sharding.map_devices(
+      per_device, args, batch_argnums=batch_argnums, param_argnums=argnums, plan=plan,
+      out_specs=out_specs,
+  )
 
 
 def _plan(options: _options.Options, call: _call.Bound) -> _sharding.Plan:
