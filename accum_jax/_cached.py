@@ -77,6 +77,14 @@ class _Devices(NamedTuple):
       return tree
     return jax.tree.map(lambda x: jax.lax.all_gather(x, self.axis, tiled=True), tree)
 
+  def agreed(self, flag: jax.Array) -> jax.Array:
+    """``flag`` true on every device or on none: where parameters are sharded,
+    each device judges its own shards of the gradient (one all-reduce of a
+    flag); else every device holds the same gradient and agrees already."""
+    if self.plan is None or not self.plan.sharded:
+      return flag
+    return jax.lax.pmin(flag.astype(jnp.int32), self.axis) > 0
+
   def own_rows(self, tree: Any) -> Any:
     """This device's rows of a whole-batch ``tree``."""
     if self.axis is None:
@@ -255,7 +263,7 @@ def _finalise(options, args, loss: _Loss, acc: _core.Accumulator, devices) -> An
   if options.skip_nonfinite:
     # No chunk can be dropped from a batch-coupled loss: a non-finite loss or
     # gradient makes the whole step NaN, as on the full batch, and counted.
-    finite = jnp.isfinite(value) & _core.all_finite(grads)
+    finite = devices.agreed(jnp.isfinite(value) & _core.all_finite(grads))
     value, grads = jax.tree.map(
         lambda x: jnp.where(finite, x, jnp.nan) if jnp.issubdtype(x.dtype, jnp.inexact) else x,
         (value, grads),

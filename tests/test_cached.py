@@ -425,6 +425,25 @@ def test_fsdp_parameters_stay_sharded_and_their_gradients_are_reduce_scattered(g
   assert all(c.result_bytes <= 64 for c in found if c.kind == "all-reduce"), found
 
 
+def test_fsdp_a_non_finite_gradient_in_one_devices_shard_skips_the_step_on_every_device():
+  # The decay's derivative is NaN at b1[5] alone, in device 5's shard of the
+  # image tower's b1; the loss stays finite. Each device judges its own shards,
+  # and all must agree to skip, as one device would.
+  def loss(params, emb, batch):
+    b1 = params["image"]["b1"]
+    return clip_loss(params, emb, batch) + jnp.sum(jnp.sqrt(jnp.abs(b1 - b1[5])))
+
+  mesh = data_mesh()
+  shardings = jax.tree.map(lambda s: jax.sharding.NamedSharding(mesh, s), FSDP_SPECS)
+  params = jax.device_put(make_params(), shardings)
+  batch = jax.device_put(make_batch(32), jax.sharding.NamedSharding(mesh, FSDP_TOWER["b1"]))
+  vg = jax.jit(accum_jax.cached_value_and_grad(
+      embed_two, loss, 2, mesh=mesh, param_sharding=FSDP_SPECS, return_info=True))
+  value, grads, info = vg(params, batch)
+  assert np.isnan(float(value)) and int(info.num_skipped) == 8 * 2
+  assert all(bool(jnp.all(jnp.isnan(g))) for g in jax.tree.leaves(grads))
+
+
 def test_fsdp_with_a_bfloat16_running_mean_gathers_once_or_is_refused():
   mesh = data_mesh()
   shardings = jax.tree.map(lambda s: jax.sharding.NamedSharding(mesh, s), FSDP_SPECS)
