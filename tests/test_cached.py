@@ -438,7 +438,8 @@ def test_fsdp_a_non_finite_gradient_in_one_devices_shard_skips_the_step_on_every
   params = jax.device_put(make_params(), shardings)
   batch = jax.device_put(make_batch(32), jax.sharding.NamedSharding(mesh, FSDP_TOWER["b1"]))
   vg = jax.jit(accum_jax.cached_value_and_grad(
-      embed_two, loss, 2, mesh=mesh, param_sharding=FSDP_SPECS, return_info=True))
+      embed_two, loss, 2, data_parallel=accum_jax.DataParallel(mesh, param_sharding=FSDP_SPECS),
+      return_info=True))
   value, grads, info = vg(params, batch)
   assert np.isnan(float(value)) and int(info.num_skipped) == 8 * 2
   assert all(bool(jnp.all(jnp.isnan(g))) for g in jax.tree.leaves(grads))
