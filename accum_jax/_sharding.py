@@ -616,7 +616,9 @@ def map_devices(
     local = [d if d is not None else s for d, s in zip(dynamic_leaves, leaves)]
     return fn(jax.tree.unflatten(treedef, local), jax.lax.axis_index(plan.axes))
 
-  # check_vma=False: the gradient of a replicated argument stays a per-device
+  # check_vma=False: JAX's varying-axis checks reject a vmap-named collective in
+  # fun (eqx.nn.BatchNorm's pmean; tests/test_sharding.py pins it). Without them,
+  # the gradient of a replicated argument stays a per-device
   # partial sum until the explicit psum after the loop, instead of being
   # all-reduced in every iteration of the scan. axis_names: only the data axes
   # are manual, so parameters sharded over other mesh axes keep that sharding

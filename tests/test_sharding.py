@@ -279,3 +279,15 @@ def test_stacked_aux_is_refused_with_a_mesh_when_the_function_is_made():
         has_aux=True,
         aux_reduction="stack",
         data_parallel=accum_jax.DataParallel(mesh=data_mesh(), data_axis="data"))
+
+
+@pytest.mark.xfail(strict=True, raises=(AssertionError, ValueError), reason=(
+    "JAX's varying-axis checks reject a vmap-named collective inside shard_map (the pmean of"
+    " eqx.nn.BatchNorm), so accum_jax's shard_map keeps check_vma=False; when this passes,"
+    " turn the checks on in _sharding.map_devices"))
+def test_jax_checks_a_vmap_named_collective_inside_shard_map():
+  def per_device(x):
+    return jax.vmap(lambda y: jax.lax.pmean(jnp.mean(y), "batch"), axis_name="batch")(x)
+
+  step = jax.shard_map(per_device, mesh=data_mesh(), in_specs=P("data"), out_specs=P("data"))
+  jax.jit(step)(jnp.arange(64.0).reshape(16, 4))
