@@ -65,11 +65,9 @@ from typing import Any, Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 
-Reduction = Literal["mean", "sum"]
-REDUCTIONS: tuple[str, ...] = ("mean", "sum")
-# How one leaf combines; see the module docstring.
-Combine = Literal["mean", "sum", "max", "last"]
-COMBINES: tuple[str, ...] = ("mean", "sum", "max", "last")
+# How one leaf reduces over microbatches or calls; see the module docstring.
+Reduction = Literal["mean", "sum", "max", "last"]
+REDUCTIONS: tuple[str, ...] = ("mean", "sum", "max", "last")
 
 
 class Accumulator(NamedTuple):

@@ -23,7 +23,6 @@ from accum_jax import _batching, _core, _sharding
 
 AuxReduction = Literal["mean", "sum", "max", "last", "stack", "concat"]
 AUX_REDUCTIONS: tuple[str, ...] = ("mean", "sum", "max", "last", "stack", "concat")
-GRAD_REDUCTIONS = _core.COMBINES
 
 # Flax Linen's FP8 layers (flax.linen.fp8_ops.OVERWRITE_WITH_GRADIENT) keep their
 # amax histories and scales in this collection; their "gradient" is the new
@@ -373,7 +372,7 @@ def _check_aux_reduction(options: Options) -> None:
 
 def _bad_grad_reduction(where: str, value: Any, option: str) -> ValueError:
   return ValueError(
-      f"{_named(option, where, value)} is not one of {GRAD_REDUCTIONS}: 'mean' (the"
+      f"{_named(option, where, value)} is not one of {_core.REDUCTIONS}: 'mean' (the"
       " default) and 'sum' weigh the gradients, 'max' and 'last' keep one value of an"
       " FP8 statistic. Pass one of them, a pytree prefix of the gradient with them (or"
       " None) at its leaves, or a callable (path, leaf) returning one or None."
@@ -385,7 +384,7 @@ def check_grad_reduction(spec: Any, option: str = "reduction") -> None:
   if callable(spec):
     return
   for where, value in _spec_strings(spec):
-    if value not in GRAD_REDUCTIONS:
+    if value not in _core.REDUCTIONS:
       raise _bad_grad_reduction(where, value, option)
 
 
@@ -442,7 +441,7 @@ def grad_reductions(spec: Any, grads: Any, option: str = "reduction") -> tuple[s
     given = []
     for path, leaf in flat:
       kind = spec(path, leaf)
-      if kind is not None and kind not in GRAD_REDUCTIONS:
+      if kind is not None and kind not in _core.REDUCTIONS:
         raise _bad_grad_reduction(f"{jax.tree_util.keystr(path)} (returned by the callable)",
                                   kind, option)
       given.append((kind, path))
