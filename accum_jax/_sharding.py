@@ -73,8 +73,10 @@ class UnknownShardingWarning(UserWarning):
     >>> w, x = jnp.ones((4, 2)), jnp.ones((2 * jax.device_count(), 4))
     >>> with warnings.catch_warnings(record=True) as caught:
     ...   warnings.simplefilter("always")
-    ...   _ = jax.jit(accum_jax.value_and_grad(loss, 2, mesh=mesh))(w, x)
-    ...   _ = jax.jit(accum_jax.value_and_grad(loss, 2, mesh=mesh, param_sharding=P()))(w, x)
+    ...   dp = accum_jax.DataParallel(mesh)
+    ...   _ = jax.jit(accum_jax.value_and_grad(loss, 2, data_parallel=dp))(w, x)
+    ...   dp = accum_jax.DataParallel(mesh, param_sharding=P())
+    ...   _ = jax.jit(accum_jax.value_and_grad(loss, 2, data_parallel=dp))(w, x)
     >>> [c.category.__name__ for c in caught]
     ['UnknownShardingWarning']
   """

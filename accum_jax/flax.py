@@ -410,7 +410,7 @@ def _metadata_spec(where: str, variable: Any, mesh_axes: tuple[str, ...]) -> P |
         f"The sharding metadata of {where} ({given}) does not say how it is sharded on"
         f" the mesh: {cause}. Map logical axis names to mesh axes with sharding_rules"
         " (nnx.with_partitioning(init, names, sharding_rules=...), or call inside"
-        " nnx.logical_axis_rules(...)), or pass param_sharding= to nnx_value_and_grad,"
+        " nnx.logical_axis_rules(...)), or give nnx_value_and_grad's DataParallel param_sharding=,"
         " shaped like the gradients returned."
     )
   return spec if any(e is not None for e in spec) else None
