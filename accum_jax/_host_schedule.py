@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 
 from accum_jax import _state
-from accum_jax._schedules import EveryKSchedule, NoiseScaleSchedule, check_every_k
+from accum_jax._noise import NoiseScaleSchedule
+from accum_jax._schedules import EveryKSchedule, check_every_k
 
 
 class HostSchedule:

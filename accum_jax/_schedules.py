@@ -1,20 +1,21 @@
-"""Window lengths for :func:`accum_jax.accumulate`: fixed, piecewise, or by the noise scale.
+"""Window lengths for :func:`accum_jax.accumulate`: fixed or piecewise.
 
 ``every_k`` is an int, a callable from the optimizer step (updates applied so far)
-to the window length, or a :class:`NoiseScaleSchedule`, whose length the state
-keeps and updates as the measured critical batch size changes.
+to the window length, or a :class:`accum_jax.noise.NoiseScaleSchedule` (in
+``_noise``), whose length the state keeps and updates as the measured critical
+batch size changes.
 """
 
 from __future__ import annotations
 
 import numbers
 from collections.abc import Mapping
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
 
-from accum_jax import _core, _noise
+from accum_jax import _core
 
 
 class EveryKSchedule(Protocol):
@@ -94,83 +95,3 @@ def piecewise_every_k(
     return ks[jnp.searchsorted(starts, optimizer_step, side="right")]
 
   return schedule
-
-
-class NoiseScaleSchedule(NamedTuple):
-  """A window length that follows the measured critical batch size.
-
-  Made by :func:`noise_scale_every_k`; pass it as ``accumulate(every_k=...)``.
-
-  Examples:
-    >>> import accum_jax
-    >>> schedule = accum_jax.noise.noise_scale_every_k(8, k_max=32)
-    >>> schedule.k_min, schedule.k_max, schedule.monotone
-    (2, 32, True)
-  """
-
-  microbatch_size: float
-  k_min: int
-  k_max: int
-  decay: float
-  monotone: bool
-
-  def next_k(self, ema: _noise.NoiseScaleEMA, k: jax.Array) -> jax.Array:
-    """``clip(round(B_simple / microbatch_size), k_min, k_max)``; ``k`` while unknown."""
-    b_simple = ema.simple_noise_scale
-    known = jnp.isfinite(b_simple) & (b_simple > 0)
-    new = jnp.round(jnp.where(known, b_simple, 0.0) / self.microbatch_size)
-    new = jnp.clip(new, self.k_min, self.k_max).astype(jnp.int32)
-    if self.monotone:
-      new = jnp.maximum(new, k)
-    return jnp.where(known, new, k)
-
-
-def noise_scale_every_k(
-    microbatch_size: float,
-    *,
-    k_max: int,
-    k_min: int = 2,
-    decay: float = 0.9,
-    monotone: bool = True,
-) -> NoiseScaleSchedule:
-  """``every_k`` for :func:`accum_jax.accumulate` that follows the gradient noise scale.
-
-  The state keeps a :class:`accum_jax.noise.NoiseScaleEMA` of each window's
-  :class:`accum_jax.noise.GradientNoise`; when a window is applied, the next one's
-  length becomes ``k = clip(round(B_simple / microbatch_size), k_min, k_max)``
-  (never less than before with ``monotone``): a batch-size warm-up that follows
-  the critical batch size as training finds it. ``k`` is a traced value, so a
-  change does not recompile; it changes only between windows. The learning
-  rate stays per optimizer step (see the noise-scale guide).
-
-  Args:
-    microbatch_size: the weight of one call, in the unit of ``weight=``: its
-      examples or tokens (1 when calls pass no weight: ``B_simple`` is then
-      counted in calls).
-    k_max: the longest window.
-    k_min: the shortest window, and the first; at least 2, as the spread of
-      the calls' gradients needs two of them.
-    decay: of the moving averages, in [0, 1).
-    monotone: never shorten the window.
-
-  Returns:
-    A :class:`NoiseScaleSchedule`, for ``accumulate(inner, every_k=...)``.
-
-  Examples:
-    >>> import optax, accum_jax
-    >>> opt = accum_jax.accumulate(
-    ...     optax.adam(1e-3), every_k=accum_jax.noise.noise_scale_every_k(32, k_max=16))
-  """
-  if not float(microbatch_size) > 0:
-    raise ValueError(
-        f"microbatch_size={microbatch_size!r} must be positive: the weight of one call"
-        " (its examples or tokens; 1 when calls pass no weight=)."
-    )
-  k_min_, k_max_ = _core.positive_int(k_min), _core.positive_int(k_max)
-  if k_min_ is None or k_max_ is None or not 2 <= k_min_ <= k_max_:
-    raise ValueError(
-        f"k_min={k_min!r} and k_max={k_max!r} must be ints with 2 <= k_min <= k_max: a"
-        " window of one call shows no spread between gradients, so no noise scale."
-    )
-  _noise.NoiseScaleEMA.create(decay)  # checks decay
-  return NoiseScaleSchedule(float(microbatch_size), k_min_, k_max_, float(decay), monotone)

@@ -1,6 +1,7 @@
 """The state of :func:`accum_jax.accumulate` and the functions that read it.
 
-The readers (:func:`has_updated`, :func:`optimizer_step`, :func:`last_window`)
+The readers (:func:`has_updated`, :func:`optimizer_step`, and
+:func:`accum_jax.noise.last_window` in ``noise``)
 find the one :class:`AccumulationState` inside whatever holds it: an ``optax.chain``
 state, a Flax ``TrainState``, an ``nnx.Optimizer``.
 """
@@ -12,7 +13,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from accum_jax import _core, _flat, _noise
+from accum_jax import _core, _flat
 
 
 class AccumulationState(NamedTuple):
@@ -169,37 +170,3 @@ def optimizer_step(state: Any) -> jax.Array:
     (2, 1)
   """
   return jnp.asarray(find_state(state, "optimizer_step").optimizer_step)
-
-
-def last_window(state: Any) -> _noise.GradientNoise:
-  """The :class:`accum_jax.noise.GradientNoise` of the last applied window.
-
-  Args:
-    state: as for :func:`accum_jax.has_updated`, of an ``accumulate(...,
-      gradient_noise=True)`` (or with a :func:`noise_scale_every_k` schedule).
-
-  Returns:
-    ``grad_sq`` and ``trace_cov`` (NaN before the first window, or for a window
-    of fewer than two kept calls), per unit of the calls' ``weight``.
-
-  Examples:
-    >>> import jax.numpy as jnp, optax, accum_jax
-    >>> opt = accum_jax.accumulate(optax.sgd(0.1), every_k=2, gradient_noise=True)
-    >>> params = {"w": jnp.zeros(1)}
-    >>> state = opt.init(params)
-    >>> for g in (1.0, 3.0):
-    ...   _, state = opt.update({"w": jnp.array([g])}, state, params)
-    >>> noise = accum_jax.noise.last_window(state)  # calls of 1 and 3: mean 2, spread 2
-    >>> float(noise.trace_cov), float(noise.grad_sq)
-    (2.0, 3.0)
-  """
-  found = find_state(state, "accum_jax.noise.last_window")
-  if isinstance(found.last_noise, tuple) and found.last_noise == ():
-    raise ValueError(
-        "accum_jax.noise.last_window found an accumulate state that does not measure"
-        " the noise: build it with accumulate(..., gradient_noise=True), or with"
-        " every_k=accum_jax.noise.noise_scale_every_k(...)."
-    )
-  # jnp.asarray unwraps the nnx.Variables of an nnx.Optimizer's state.
-  return _noise.GradientNoise(*(jnp.asarray(x) for x in found.last_noise))
-

@@ -28,7 +28,8 @@ import jax.numpy as jnp
 import optax
 
 from accum_jax import _core, _flat, _inner_checks, _noise, _options, _update_args
-from accum_jax._schedules import EveryKSchedule, NoiseScaleSchedule, check_every_k
+from accum_jax._noise import NoiseScaleSchedule
+from accum_jax._schedules import EveryKSchedule, check_every_k
 from accum_jax._state import AccumulationState, window_sum
 
 

@@ -60,6 +60,19 @@ def test_the_coverage_check_sees_every_public_module_and_name():
   ]
 
 
+
+def test_each_private_module_is_documented_under_one_public_module():
+  # The [source] pages (sphinx.ext.viewcode) link a private module's code back to the
+  # public module of the first name documented from it: a second public home for
+  # the same private module gets links to anchors that do not exist.
+  homes: dict[str, set[str]] = {}
+  for name, obj in _public_objects():
+    defined_in = getattr(obj, "__module__", "") or ""
+    if defined_in.rsplit(".", 1)[-1].startswith("_"):
+      homes.setdefault(defined_in, set()).add(name.rsplit(".", 1)[0])
+  assert {m: h for m, h in homes.items() if len(h) > 1} == {}
+
+
 # Public names whose docstrings show no example yet. Shrink it: adding an example
 # to one of these makes the test below fail until its name is removed here.
 WITHOUT_EXAMPLE = {
