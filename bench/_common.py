@@ -262,16 +262,20 @@ def _reset_peak_rss() -> bool:
 
 
 def run_json_worker(
-    command: Sequence[str], *, env: Mapping[str, str] | None = None, timeout: float = 600
+    command: Sequence[str], *, env: Mapping[str, str] | None = None, timeout: float = 600,
+    cpus: int | None = None,
 ) -> dict[str, Any]:
   """Runs ``command`` and returns the JSON on its last ``PEAK_RESULT_JSON:`` line.
 
-  ``env`` is added to this process's environment. A worker that fails raises
-  ``RuntimeError`` with the end of its output.
+  ``env`` is added to this process's environment; with ``cpus``, the worker may
+  run on only that many of this process's CPUs (XLA:CPU sizes its thread pool by
+  them). A worker that fails raises ``RuntimeError`` with the end of its output.
   """
   full_env = {**os.environ, **(env or {})}
+  allowed = sorted(os.sched_getaffinity(0))[:cpus] if cpus else None
   proc = subprocess.run(
-      list(command), env=full_env, capture_output=True, text=True, timeout=timeout
+      list(command), env=full_env, capture_output=True, text=True, timeout=timeout,
+      preexec_fn=(lambda: os.sched_setaffinity(0, allowed)) if allowed else None,
   )
   for line in reversed(proc.stdout.splitlines()):
     if line.startswith(_PEAK_MARKER):
@@ -288,7 +292,7 @@ def print_worker_result(result: Mapping[str, Any]) -> None:
 
 
 def fresh_process_peak(
-    builder: str, config: Mapping[str, Any], *, timeout: float = 600
+    builder: str, config: Mapping[str, Any], *, timeout: float = 600, cpus: int | None = None
 ) -> dict[str, Any]:
   """The memory of one step of a compiled function, measured in a new process.
 
@@ -300,6 +304,8 @@ def fresh_process_peak(
       no temporaries behind.
     config: JSON-serialisable keyword arguments for the builder.
     timeout: seconds before the worker is killed.
+    cpus: run the worker on this many CPUs only (on CPU, one runs the step's
+      kernels one at a time: no two kernels' scratch memory at once).
 
   Returns:
     A dict: ``step_peak_bytes`` (the step's growth; see the comment above this
@@ -316,7 +322,7 @@ def fresh_process_peak(
       "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
   }
   command = [sys.executable, __file__, "--peak-worker", builder, json.dumps(dict(config))]
-  return run_json_worker(command, env=env, timeout=timeout)
+  return run_json_worker(command, env=env, timeout=timeout, cpus=cpus)
 
 
 def memory_analysis_dict(compiled: jax.stages.Compiled) -> dict[str, int]:

@@ -19,14 +19,14 @@ each N, side by side in one run:
 - ``hand-written shard_map``: the same written with explicit collectives: in
   ``jax.shard_map`` over the data axes, the shards all-gathered, each
   microbatch's gradient reduce-scattered (``psum_scatter``) into a shard;
-- ``accum_jax``: ``value_and_grad(..., mesh=mesh, data_axis=...,
-  param_sharding=specs)``, ``gather="per_microbatch"`` (the default);
+- ``accum_jax``: ``value_and_grad(..., data_parallel=DataParallel(mesh=mesh,
+  data_axis=..., param_sharding=specs))``, ``gather="per_microbatch"`` (the default);
 - ``accum_jax gather='once'``: the same with ``gather="once"``;
-- ``accum_jax, no param_sharding``: ``mesh=`` and the sharded parameters under
+- ``accum_jax, no param_sharding``: a ``DataParallel(mesh=...)`` and the sharded parameters under
   ``jax.jit`` without ``param_sharding``: automatic axes hide the shardings from
   the traced function, so the parameters count as replicated (the data-parallel
   path: a full-size accumulator, one all-reduce);
-- ``accum_jax, no mesh, strided``: ``value_and_grad(..., split="strided")``
+- ``accum_jax, no mesh, strided``: ``DataParallel(split="strided")``
   without a mesh, the sharded parameters and batch under ``jax.jit``;
 - ``accum_jax, replicated parameters``: pure data parallelism.
 
@@ -66,6 +66,7 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 
 import argparse
 import collections
+import dataclasses
 import re
 import shutil
 import statistics
@@ -362,26 +363,25 @@ def build(method: str, problem: Problem, n: int) -> tuple[Callable[..., Any], tu
   """The jitted step of ``method`` at ``n`` microbatches, and its arguments."""
   axes = problem.data_axes
   data_axis = axes[0] if len(axes) == 1 else axes
-  mesh_options = {"mesh": problem.mesh, "data_axis": data_axis}
+  on_mesh = accum_jax.DataParallel(mesh=problem.mesh, data_axis=data_axis)
   if method in (HAND, HAND_ACT):
     return hand_written_scan(problem, n, method == HAND_ACT), problem.sharded
   if method == SHARD_MAP:
     return hand_written_shard_map(problem, n), problem.sharded
   if method in (FSDP, ONCE):
     gather = "once" if method == ONCE else "per_microbatch"
-    vg = accum_jax.value_and_grad(loss_fn, n,
-        data_parallel=accum_jax.DataParallel(
-            param_sharding=problem.specs, gather=gather), **mesh_options)
+    vg = accum_jax.value_and_grad(loss_fn, n, data_parallel=dataclasses.replace(
+        on_mesh, param_sharding=problem.specs, gather=gather))
     return jax.jit(vg), problem.sharded
   if method == AUTO:
-    return jax.jit(accum_jax.value_and_grad(loss_fn, n, **mesh_options)), problem.sharded
+    return jax.jit(accum_jax.value_and_grad(loss_fn, n, data_parallel=on_mesh)), problem.sharded
   if method == STRIDED:
     def strided(params, batch):
       return accum_jax.value_and_grad(loss_fn, n,
           data_parallel=accum_jax.DataParallel(split="strided"))(params, batch)
     return jax.jit(strided), problem.sharded
   if method == DP:
-    return jax.jit(accum_jax.value_and_grad(loss_fn, n, **mesh_options)), problem.replicated
+    return jax.jit(accum_jax.value_and_grad(loss_fn, n, data_parallel=on_mesh)), problem.replicated
   raise ValueError(f"method={method!r} is not one of {METHODS}.")
 
 

@@ -1,9 +1,10 @@
 """Per-device memory and communication of one microbatched step, as formulas.
 
 The cost model behind ``docs/multi_device.md``: for each way
-``accum_jax.value_and_grad(..., mesh=...)`` can reduce a gradient, what one device
-holds and sends in one step of ``K`` microbatches. It counts what scales with the
-parameters; activations, the batch and XLA's scratch buffers are outside it.
+``accum_jax.value_and_grad(..., data_parallel=DataParallel(mesh=...))`` can reduce
+a gradient, what one device holds and sends in one step of ``K`` microbatches. It
+counts what scales with the parameters; activations, the batch and XLA's scratch
+buffers are outside it.
 
 Symbols (per step, per device):
 

@@ -3,8 +3,9 @@
 The batch is sharded over a ``"data"`` mesh axis spanning all devices, the parameters are
 replicated, and one jitted step computes the gradient over microbatches and applies Adam::
 
-  grad_fn = accum_jax.value_and_grad(loss_fn, num_microbatches, mesh=mesh, data_axis="data",
-                                     param_sharding=P())
+  grad_fn = accum_jax.value_and_grad(
+      loss_fn, num_microbatches,
+      data_parallel=accum_jax.DataParallel(mesh=mesh, data_axis="data", param_sharding=P()))
 
 ``param_sharding=P()`` says that the parameters are replicated: under ``jax.jit`` with
 automatic mesh axes the traced step cannot see it (without it, an

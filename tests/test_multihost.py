@@ -2,7 +2,7 @@
 
 The test launches two copies of tests/multihost_worker.py on 127.0.0.1, which meet at
 a coordinator on a free port, reduce across processes with gloo, and run
-``value_and_grad(..., mesh=mesh, data_axis="data", param_sharding=...)`` on one global
+``value_and_grad(..., data_parallel=DataParallel(mesh, "data", param_sharding=...))`` on one global
 batch spread over the 8 devices of both, one parameter sharded over all 8 (FSDP) and
 one replicated. The shards each process holds must equal those of the full-batch
 ``jax.value_and_grad`` computed here, in one process; the same call without

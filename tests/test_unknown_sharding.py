@@ -1,6 +1,6 @@
 """The natural call under ``jax.jit`` with automatic mesh axes: warned, or right.
 
-``jax.jit(accum_jax.value_and_grad(loss, N, mesh=mesh, data_axis=...))`` traces its
+``jax.jit(accum_jax.value_and_grad(loss, N, data_parallel=DataParallel(mesh=mesh)))`` traces its
 arguments without their shardings (automatic axes leave them out of the types, and
 one trace serves every sharding), so it cannot tell FSDP parameters from replicated
 ones. It must end one of two ways: a gradient sharded like the parameters within
