@@ -85,8 +85,6 @@ nitpick_ignore_regex = [
     # Private protocols and type variables in public signatures have no page.
     (r"py:class", r"accum_jax\.[\w.]*\._\w+"),
     (r"py:class", r"(accum_jax\.)?_\w+\.\w+"),  # a type of a private module
-    # accum_jax.Accumulator's docstring names the private helpers of its module.
-    (r"py:func", r"(init|add|result|empty|merge)"),
 ]
 
 # -- Notebooks (myst-nb) -----------------------------------------------------
