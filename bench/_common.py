@@ -89,8 +89,9 @@ def tree_nbytes(tree: Any) -> int:
 
 
 def environment() -> dict[str, Any]:
-  """What the numbers were measured on, for the JSON output."""
+  """What the numbers were measured on, for the JSON output: the tree's commit too."""
   return {
+      "commit": git_commit(),
       "jax": jax.__version__,
       "backend": jax.default_backend(),
       "devices": [str(d) for d in jax.devices()],
