@@ -231,12 +231,13 @@ def label(method: str, n: int) -> str:
 
 
 def measure_memory(
-    configs: list[tuple[str, int]], model: dict[str, int], jobs: int
+    configs: list[tuple[str, int]], model: dict[str, int], jobs: int, cpus: int | None = None
 ) -> dict[tuple[str, int], dict[str, Any]]:
   def one(config):
     method, n = config
     return fresh_process_peak(
-        "bench_microbatch:build_step", {"method": method, "num_microbatches": n, **model}
+        "bench_microbatch:build_step", {"method": method, "num_microbatches": n, **model},
+        cpus=cpus,
     )
 
   # Memory is per process, so workers may overlap; only their wall time is shared.
@@ -249,20 +250,9 @@ def measure_memory(
 # buffers (on the 2-core development CPU, 5.9 MiB per 1024 x 1024 weight
 # gradient): whether two of them overlap depends on XLA's schedule and
 # buffer assignment. Pinned to one core, the kernels run one at a time and the
-# peak is the program's own. Measured for these methods at TARGET_N.
+# peak is the program's own. Measured for these methods at TARGET_N, one worker
+# at a time.
 ONE_CORE_METHODS = (SCAN, ACCUM)
-
-
-def measure_memory_one_core(
-    model: dict[str, int], n: int
-) -> dict[tuple[str, int], dict[str, Any]]:
-  return {
-      (method, n): fresh_process_peak(
-          "bench_microbatch:build_step", {"method": method, "num_microbatches": n, **model},
-          cpus=1,
-      )
-      for method in ONE_CORE_METHODS
-  }
 
 
 # Collectives: a subprocess with 8 fake CPU devices.
@@ -554,7 +544,8 @@ def main(argv: list[str] | None = None) -> int:
     one_core = {}
     if memory[FULL, 1]["platform"] == "cpu" and TARGET_N in args.ns and len(
         os.sched_getaffinity(0)) > 1:
-      one_core = measure_memory_one_core(model, TARGET_N)
+      one_core = measure_memory([(m, TARGET_N) for m in ONE_CORE_METHODS], model, jobs=1,
+                                cpus=1)
     collectives = collectives_future.result()
   memory_seconds = time.perf_counter() - start
   timing = measure_time(configs, model, rounds=args.rounds, warmup=args.warmup,
