@@ -293,7 +293,8 @@ def print_worker_result(result: Mapping[str, Any]) -> None:
 
 
 def fresh_process_peak(
-    builder: str, config: Mapping[str, Any], *, timeout: float = 600, cpus: int | None = None
+    builder: str, config: Mapping[str, Any], *, timeout: float = 600, cpus: int | None = None,
+    xla_flags: str | None = None,
 ) -> dict[str, Any]:
   """The memory of one step of a compiled function, measured in a new process.
 
@@ -307,6 +308,7 @@ def fresh_process_peak(
     timeout: seconds before the worker is killed.
     cpus: run the worker on this many CPUs only (on CPU, one runs the step's
       kernels one at a time: no two kernels' scratch memory at once).
+    xla_flags: added to the worker's ``XLA_FLAGS``.
 
   Returns:
     A dict: ``step_peak_bytes`` (the step's growth; see the comment above this
@@ -322,6 +324,8 @@ def fresh_process_peak(
       # A second process sharing a GPU with the first: allocate as needed.
       "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
   }
+  if xla_flags:
+    env["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {xla_flags}".strip()
   command = [sys.executable, __file__, "--peak-worker", builder, json.dumps(dict(config))]
   return run_json_worker(command, env=env, timeout=timeout, cpus=cpus)
 

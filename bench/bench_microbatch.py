@@ -19,7 +19,8 @@ Measured:
   on GPU the allocator's ``peak_bytes_in_use`` over ``bytes_in_use`` before
   it; with XLA's compiled ``memory_analysis()`` temp bytes beside it; on a
   CPU of several cores, ``lax.scan`` and ``accum_jax`` at N = 8 once more
-  with the worker on one core (see ``ONE_CORE_METHODS``);
+  under each of ``CPU_CONDITIONS`` (the worker on one core; XLA:CPU's
+  memory-first schedule);
 - step time: the median of calls blocked on, all (method, N) taking turns in
   this process on one device;
 - compile time (``lower`` + ``compile``) against N;
@@ -231,13 +232,14 @@ def label(method: str, n: int) -> str:
 
 
 def measure_memory(
-    configs: list[tuple[str, int]], model: dict[str, int], jobs: int, cpus: int | None = None
+    configs: list[tuple[str, int]], model: dict[str, int], jobs: int, cpus: int | None = None,
+    xla_flags: str | None = None,
 ) -> dict[tuple[str, int], dict[str, Any]]:
   def one(config):
     method, n = config
     return fresh_process_peak(
         "bench_microbatch:build_step", {"method": method, "num_microbatches": n, **model},
-        cpus=cpus,
+        cpus=cpus, xla_flags=xla_flags,
     )
 
   # Memory is per process, so workers may overlap; only their wall time is shared.
@@ -245,14 +247,31 @@ def measure_memory(
     return dict(zip(configs, pool.map(one, configs)))
 
 
-# On a CPU of several cores, XLA:CPU runs a step's independent kernels at once,
-# and each large dot takes scratch memory of its own, outside the compiled
-# buffers (on the 2-core development CPU, 5.9 MiB per 1024 x 1024 weight
-# gradient): whether two of them overlap depends on XLA's schedule and
-# buffer assignment. Pinned to one core, the kernels run one at a time and the
-# peak is the program's own. Measured for these methods at TARGET_N, one worker
-# at a time.
-ONE_CORE_METHODS = (SCAN, ACCUM)
+# On a CPU of several cores, XLA:CPU's default schedule favours running a step's
+# independent kernels at once, and each large dot takes scratch memory of its
+# own, outside the compiled buffers (on the 2-core development CPU, 5.9 MiB per
+# 1024 x 1024 weight gradient). Whether two of them overlap follows from where
+# that schedule's buffer assignment puts their outputs: two dots writing one
+# buffer run one after the other. So the two methods are measured once more,
+# one worker at a time, under two conditions that take the runtime's
+# concurrency out of the comparison:
+# - "one core": the worker pinned to one CPU runs the kernels one at a time;
+# - "memory-first schedule": XLA:CPU schedules for memory instead of
+#   concurrency (all cores), and both programs compile to the same buffers.
+CPU_CONDITIONS: dict[str, dict[str, Any]] = {
+    "one core": {"cpus": 1},
+    "memory-first schedule": {
+        "xla_flags": "--xla_cpu_enable_concurrency_optimized_scheduler=false"},
+}
+CONDITION_METHODS = (SCAN, ACCUM)
+
+
+def measure_conditions(model: dict[str, int]) -> dict[tuple[str, int], dict[str, Any]]:
+  """Per (method, TARGET_N) of CONDITION_METHODS: {condition: the worker's result}."""
+  configs = [(m, TARGET_N) for m in CONDITION_METHODS]
+  by_condition = {name: measure_memory(configs, model, jobs=1, **how)
+                  for name, how in CPU_CONDITIONS.items()}
+  return {c: {name: results[c] for name, results in by_condition.items()} for c in configs}
 
 
 # Collectives: a subprocess with 8 fake CPU devices.
@@ -372,9 +391,9 @@ def _targets(rows: dict[tuple[str, int], dict[str, Any]], n: int) -> list[dict[s
             TARGET_MEMORY_VS_FULL),
       check(f"peak memory N={n} / lax.scan", accum["peak_bytes"] / scan["peak_bytes"],
             TARGET_MEMORY_VS_SCAN),
-      *([check(f"peak memory N={n} / lax.scan, one core",
-               accum["peak_bytes_one_core"] / scan["peak_bytes_one_core"],
-               TARGET_MEMORY_VS_SCAN)] if "peak_bytes_one_core" in accum else []),
+      *[check(f"peak memory N={n} / lax.scan, {name}",
+              accum["peak_bytes_under"][name] / scan["peak_bytes_under"][name],
+              TARGET_MEMORY_VS_SCAN) for name in accum.get("peak_bytes_under", {})],
       check(f"step time N={n} / lax.scan", accum["step_ms"] / scan["step_ms"],
             TARGET_TIME_VS_SCAN),
       check(f"step time N={n} / optax.microbatching", accum["step_ms"] / optax_["step_ms"],
@@ -416,11 +435,13 @@ def report(config: dict[str, Any], rows: dict[tuple[str, int], dict[str, Any]],
     print("on CPU, compare ratios: absolute times depend on the load from other processes")
   print()
   print(markdown_table(headers, table))
-  one_core = [(m, r) for (m, n), r in rows.items() if "peak_bytes_one_core" in r]
-  if one_core:
-    print("peak step MiB with the worker on one core (a step's kernels one at a time):",
-          ", ".join(f"{m} N={r['num_microbatches']} {r['peak_bytes_one_core'] / _MIB:.1f}"
-                    for m, r in one_core))
+  under = [(m, r) for (m, n), r in rows.items() if "peak_bytes_under" in r]
+  for name in CPU_CONDITIONS:
+    if under:
+      print(f"peak step MiB, {name} (XLA temp MiB):", ", ".join(
+          f"{m} N={r['num_microbatches']} {r['peak_bytes_under'][name] / _MIB:.1f}"
+          f" ({r['memory_under'][name]['xla'].get('temp_bytes', float('nan')) / _MIB:.1f})"
+          for m, r in under))
 
   print()
   accum_ns = [n for n in config["ns"] if (ACCUM, n) in rows]
@@ -541,11 +562,10 @@ def main(argv: list[str] | None = None) -> int:
   with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
     collectives_future = pool.submit(measure_collectives, model, collective_n)
     memory = measure_memory(configs, model, args.jobs)
-    one_core = {}
+    under = {}
     if memory[FULL, 1]["platform"] == "cpu" and TARGET_N in args.ns and len(
         os.sched_getaffinity(0)) > 1:
-      one_core = measure_memory([(m, TARGET_N) for m in ONE_CORE_METHODS], model, jobs=1,
-                                cpus=1)
+      under = measure_conditions(model)
     collectives = collectives_future.result()
   memory_seconds = time.perf_counter() - start
   timing = measure_time(configs, model, rounds=args.rounds, warmup=args.warmup,
@@ -555,9 +575,10 @@ def main(argv: list[str] | None = None) -> int:
   for c in configs:
     rows[c] = {"method": c[0], "num_microbatches": c[1], **timing[c],
                "peak_bytes": memory[c]["step_peak_bytes"], "memory": memory[c]}
-    if c in one_core:
-      rows[c].update(peak_bytes_one_core=one_core[c]["step_peak_bytes"],
-                     memory_one_core=one_core[c])
+    if c in under:
+      rows[c].update(
+          peak_bytes_under={name: r["step_peak_bytes"] for name, r in under[c].items()},
+          memory_under=under[c])
   targets = _targets(rows, TARGET_N)
   params, _ = input_shapes(**model)
   config = {
