@@ -436,12 +436,11 @@ def report(config: dict[str, Any], rows: dict[tuple[str, int], dict[str, Any]],
   print()
   print(markdown_table(headers, table))
   under = [(m, r) for (m, n), r in rows.items() if "peak_bytes_under" in r]
-  for name in CPU_CONDITIONS:
-    if under:
-      print(f"peak step MiB, {name} (XLA temp MiB):", ", ".join(
-          f"{m} N={r['num_microbatches']} {r['peak_bytes_under'][name] / _MIB:.1f}"
-          f" ({r['memory_under'][name]['xla'].get('temp_bytes', float('nan')) / _MIB:.1f})"
-          for m, r in under))
+  for name in CPU_CONDITIONS if under else ():
+    print(f"peak step MiB, {name} (XLA temp MiB):", ", ".join(
+        f"{m} N={r['num_microbatches']} {r['peak_bytes_under'][name] / _MIB:.1f}"
+        f" ({r['memory_under'][name]['xla'].get('temp_bytes', float('nan')) / _MIB:.1f})"
+        for m, r in under))
 
   print()
   accum_ns = [n for n in config["ns"] if (ACCUM, n) in rows]
