@@ -28,7 +28,6 @@ import jax.numpy as jnp
 import optax
 
 from accum_jax import _core, _flat, _inner_checks, _noise, _options, _update_args
-from accum_jax._noise import NoiseScaleSchedule
 from accum_jax._schedules import EveryKSchedule, check_every_k
 from accum_jax._state import AccumulationState, window_sum
 
@@ -76,7 +75,7 @@ class _Options(NamedTuple):
 
   inner: optax.GradientTransformationExtraArgs
   schedule: EveryKSchedule | None  # None: the window length is in the state
-  by_noise: NoiseScaleSchedule | None  # every_k given as a noise_scale_every_k
+  by_noise: _noise.NoiseScaleSchedule | None  # every_k given as a noise_scale_every_k
   track_noise: bool  # the state keeps the gradient-noise sums
   reduction: Any  # per leaf: a string, a pytree prefix or a callable (_options.grad_reductions)
   value_reduction: str  # of `value`: "sum" where reduction is "sum", else "mean"
@@ -134,7 +133,7 @@ def _make_options(
     inner, every_k, *, reduction, accumulator_dtype, skip_nonfinite, should_skip_update_fn,
     every_k_name, gradient_noise, layout="tree",
 ) -> _Options:
-  by_noise = every_k if isinstance(every_k, NoiseScaleSchedule) else None
+  by_noise = every_k if isinstance(every_k, _noise.NoiseScaleSchedule) else None
   schedule = None if by_noise else check_every_k(every_k, every_k_name)
   _options.check_grad_reduction(reduction, "reduction")
   return _Options(
@@ -582,7 +581,7 @@ def _accumulate(
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _init_noise(track_noise: bool, by_noise: NoiseScaleSchedule | None) -> dict[str, Any]:
+def _init_noise(track_noise: bool, by_noise: _noise.NoiseScaleSchedule | None) -> dict[str, Any]:
   """The noise fields of a new state (empty without gradient_noise)."""
   if not track_noise:
     return {}

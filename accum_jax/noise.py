@@ -50,4 +50,3 @@ def last_window(state: Any) -> GradientNoise:
     )
   # jnp.asarray unwraps the nnx.Variables of an nnx.Optimizer's state.
   return GradientNoise(*(jnp.asarray(x) for x in found.last_noise))
-

@@ -60,7 +60,6 @@ def test_the_coverage_check_sees_every_public_module_and_name():
   ]
 
 
-
 def test_each_private_module_is_documented_under_one_public_module():
   # The [source] pages (sphinx.ext.viewcode) link a private module's code back to the
   # public module of the first name documented from it: a second public home for
