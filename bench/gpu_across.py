@@ -18,7 +18,8 @@ an Optax transformation is handed its whole state on every call),
 calls, ``apply=True`` on its last: two compiled programs) and on the device
 schedule (``apply`` left out: one program, a kept conditional), a hand-written
 ``lax.cond`` accumulator, a plain AdamW step, ``optax.MultiSteps(adamw)``, and
-``accumulate(adamw, layout="flat")`` on the host schedule. The rows take turns,
+``accumulate(adamw, layout="flat")`` and ``accumulate(optax.flatten(adamw))`` on
+the host schedule. The rows take turns,
 a window each per round, so that machine noise falls on all alike.
 """
 
@@ -132,6 +133,7 @@ HAND_COND = "hand-written lax.cond accumulator"
 PLAIN = "plain AdamW step"
 MULTISTEPS_ADAMW = "optax.MultiSteps(adamw)"
 FLAT_HOST = "accumulate(adamw, layout='flat'), host schedule"
+FLATTEN_HOST = "accumulate(optax.flatten(adamw)), host schedule"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,6 +242,8 @@ def across_candidates(every_k: int) -> dict[str, Candidate]:
       MULTISTEPS_ADAMW: _transformation(optax.MultiSteps(adamw, every_k).gradient_transformation()),
       ACC_FLOOR: _acc_only_floor(),
       FLAT_HOST: _transformation(accumulate(layout="flat"), host=True),
+      FLATTEN_HOST: _transformation(
+          accum_jax.accumulate(optax.flatten(adamw), every_k=every_k), host=True),
       HAND_COND: _hand_written_cond(adamw, every_k),
       PLAIN: _transformation(adamw),
   }
