@@ -12,8 +12,10 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import optax
 
 from accum_jax import _core, _flat
+from accum_jax._schedules import WindowSchedule
 
 
 class AccumulationState(NamedTuple):
@@ -47,6 +49,8 @@ class AccumulationState(NamedTuple):
   last_noise: Any = ()  # GradientNoise of the last applied window (NaN before)
   noise_ema: Any = ()  # NoiseScaleEMA, with a noise_scale_every_k schedule
   window_length: Any = ()  # shape=(), int32: k of the current window, likewise
+  # The every_k given to accumulate, as static data (no leaf): HostSchedule reads it.
+  every_k: WindowSchedule = WindowSchedule(None)
 
   @property
   def mini_step(self) -> jax.Array:
@@ -103,11 +107,42 @@ def window_sum(acc: _core.Accumulator) -> Any:
   return jax.tree.map(masked, acc.total)
 
 
-def find_state(state: Any, caller: str) -> AccumulationState:
-  def is_state(x):
-    return isinstance(x, AccumulationState)
+# Optax wrappers that may reject a call's whole new inner state: around accumulate,
+# a rejected call is not counted, so the windows after it shift by a call, and a
+# rejected closing call merges its window into the next one.
+_GATES = tuple(
+    getattr(optax, name) for name in (
+        "ApplyIfFiniteState", "MultiStepsState", "ConditionallyTransformState",
+        "ConditionallyMaskState",
+    ) if hasattr(optax, name)
+)
 
-  found = [x for x in jax.tree.leaves(state, is_leaf=is_state) if is_state(x)]
+
+def _is_state(x: Any) -> bool:
+  return isinstance(x, AccumulationState)
+
+
+def _check_not_gated(state: Any, caller: str) -> None:
+  """Refuses an accumulate state that an Optax gate holds (see ``_GATES``)."""
+  gates = [x for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, _GATES))
+           if isinstance(x, _GATES)]
+  for gate in gates:
+    if any(_is_state(x) for x in jax.tree.leaves(gate, is_leaf=_is_state)):
+      name = type(gate).__name__
+      raise ValueError(
+          f"{caller} found the accum_jax.accumulate state inside an optax {name}: an"
+          " Optax wrapper around accumulate that rejects a call (optax.apply_if_finite,"
+          " optax.MultiSteps' should_skip_update_fn, a conditional transform) drops that"
+          " call's count, so the windows after it shift, and a rejected window-closing call"
+          " merges two windows. Put no gate around accumulate: its own"
+          " skip_nonfinite='window' (the default) skips a window holding a NaN or Inf"
+          " whole and counts it; a gate that must act on the applied update goes inside,"
+          " e.g. accumulate(optax.apply_if_finite(inner, 5), every_k).")
+
+
+def find_state(state: Any, caller: str) -> AccumulationState:
+  _check_not_gated(state, caller)
+  found = [x for x in jax.tree.leaves(state, is_leaf=_is_state) if _is_state(x)]
   if not found:
     raise ValueError(
         f"{caller} found no accum_jax.accumulate state in {type(state).__name__}."

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import optax
 
 from accum_jax import _core, _flat, _inner_checks, _noise, _options, _update_args
-from accum_jax._schedules import EveryKSchedule, check_every_k
+from accum_jax._schedules import ConstantEveryK, EveryKSchedule, WindowSchedule, check_every_k
 from accum_jax._state import AccumulationState, window_sum
 
 
@@ -170,6 +170,7 @@ def _init(options: _Options, params: Any) -> AccumulationState:
       window_value=jnp.zeros((), jnp.float32),
       skip_state=skip_state,
       **_init_noise(options.track_noise, options.by_noise),
+      every_k=WindowSchedule(options.schedule),
   )
 
 
@@ -274,7 +275,7 @@ def _bind(options, grads, state, params, weight, flush, apply, extra_args) -> _C
 def _add(options: _Options, call: _Call, state: AccumulationState) -> _Window:
   """This call into the window (unless skipped), and whether the window ends."""
   should_skip, skip_state = options.skip_fn(call.grads, state.optimizer_step, call.params)
-  accept = ~jnp.asarray(should_skip, bool)
+  accept = ~jnp.asarray(should_skip, bool) & _within_window(options, call, state)
   per_call = options.skip_nonfinite == "call"
   if call.value is not None and per_call:
     # A NaN loss is bad data as much as a NaN gradient (and would poison the
@@ -307,6 +308,16 @@ def _add(options: _Options, call: _Call, state: AccumulationState) -> _Window:
       apply=done & (accumulator.weight > 0),
   )
   return _drop_overflowing_sum(window, call) if "sum" in call.kinds else window
+
+
+def _within_window(options: _Options, call: _Call, state: AccumulationState) -> Any:
+  """Where the host decides and ``every_k`` is an int: whether the window has room
+  for this call. A flag that lets a window run past ``every_k`` calls (not
+  :class:`accum_jax.HostSchedule`'s) has its extra calls refused and counted as
+  skipped, so that a window never holds more calls than ``every_k`` says."""
+  if call.apply is None or not isinstance(options.schedule, ConstantEveryK):
+    return True
+  return state.accumulator.count < options.schedule.k
 
 
 def _window_length(options: _Options, state: AccumulationState) -> jax.Array:
@@ -546,6 +557,7 @@ def _next_state(options, call, state, window, inner: _Inner) -> AccumulationStat
       window_value=window_value,
       skip_state=window.skip_state,
       **_next_noise(state, window, applied, inner.last_noise, options.by_noise),
+      every_k=state.every_k,
   )
 
 

@@ -151,8 +151,9 @@ TRIGGERS: dict[str, Callable[[], object]] = {
     "`apply` is not a Python bool (a traced or array value)": lambda: _host_update(
         apply=jnp.array(True)),
     "`apply` given with `flush=True`": lambda: _host_update(apply=False, flush=True),
-    "`every_k` is a `noise_scale_every_k` schedule": lambda: accum_jax.HostSchedule(
-        accum_jax.noise.noise_scale_every_k(8, k_max=4)),
+    "the state's `accumulate` has a `noise_scale_every_k` schedule": lambda: accum_jax.HostSchedule(
+        accum_jax.accumulate(optax.sgd(1.0), accum_jax.noise.noise_scale_every_k(8, k_max=4))
+        .init({"w": jnp.ones(2)})),
     "`has_aux=True` and `fun` returns a loss alone": lambda: accum_jax.value_and_grad(
         _loss, 2, has_aux=True)(W, jnp.ones((4, 3))),
     "`fun` returns a tuple without `has_aux=True`": lambda: accum_jax.value_and_grad(

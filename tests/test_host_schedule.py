@@ -83,7 +83,8 @@ ADAMW = accum_jax.accumulate(optax.adamw(1e-2, weight_decay=0.1), every_k=K)
 IDENTITY = accum_jax.accumulate(optax.identity(), every_k=K)
 
 
-@pytest.mark.parametrize("nan_at", [(), (5,)], ids=["finite", "a NaN call in the second window"])
+@pytest.mark.parametrize("nan_at", [(), (5,), (7,)], ids=[
+    "finite", "a NaN call in the second window", "a NaN on the second window's closing call"])
 def test_the_host_schedule_equals_the_device_schedule(nan_at):
   calls = _calls(3 * K, nan_at)
   flags = [(i + 1) % K == 0 for i in range(3 * K)]
@@ -99,13 +100,14 @@ def test_the_host_schedule_equals_the_device_schedule(nan_at):
 
 def test_host_windows_of_3_5_and_2_calls_apply_their_weighted_means():
   calls = _calls(10)
-  lengths = (3, 5, 2)
+  lengths = (3, 5, 2)  # every_k=5: windows of at most 5 calls, ended by the host
   flags = [i + 1 == n for n in lengths for i in range(n)]
-  state = IDENTITY.init(make_params())
+  opt = accum_jax.accumulate(optax.identity(), every_k=5)
+  state = opt.init(make_params())
   start = 0
   for n in lengths:
     for i, (grads, weight) in enumerate(calls[start:start + n]):
-      updates, state = jax.jit(IDENTITY.update, static_argnames="apply")(
+      updates, state = jax.jit(opt.update, static_argnames="apply")(
           grads, state, weight=weight, apply=flags[start + i])
       if i < n - 1:
         tree_allclose(updates, jax.tree.map(jnp.zeros_like, grads))
@@ -148,7 +150,7 @@ def test_a_state_saved_mid_window_continues_under_either_schedule():
     checkpointer.wait_until_finished()
     target = (make_params(), accum_jax.checkpoint.abstract_state(ADAMW, make_params()))
     restored = checkpointer.restore(f"{directory}/state", target)
-  schedule = accum_jax.HostSchedule(K, restored[1])
+  schedule = accum_jax.HostSchedule(restored[1])
   assert (schedule.calls, schedule.optimizer_step) == (2, 1)
   resumed_flags = [schedule.next() for _ in calls[middle:]]
   assert resumed_flags == flags[middle:]
@@ -159,13 +161,13 @@ def test_a_state_saved_mid_window_continues_under_either_schedule():
 
 
 def test_host_schedule_follows_every_k_schedules_and_ends_a_window_on_the_last_call():
-  schedule = accum_jax.HostSchedule(accum_jax.piecewise_every_k({0: 2, 2: 3}))
+  opt = accum_jax.accumulate(optax.identity(), every_k=accum_jax.piecewise_every_k({0: 2, 2: 3}))
+  state = opt.init(make_params())
+  schedule = accum_jax.HostSchedule(state)
   flags = [schedule.next() for _ in range(9)] + [schedule.next(last=True)]
   assert flags == [False, True, False, True, False, False, True, False, False, True]
   assert schedule.optimizer_step == 4 and schedule.calls == 0
   # As the device schedule, with the same every_k, ends the same windows.
-  opt = accum_jax.accumulate(optax.identity(), every_k=accum_jax.piecewise_every_k({0: 2, 2: 3}))
-  state = opt.init(make_params())
   device_flags = []
   for grads, _ in _calls(9):
     _, state = jax.jit(opt.update)(grads, state)
@@ -183,8 +185,10 @@ def test_apply_must_be_a_python_bool_and_replaces_flush():
     IDENTITY.update(grads, state, apply=False, flush=True)
   with pytest.raises(ValueError, match=re.escape("skip_nonfinite=True is ambiguous")):
     accum_jax.accumulate(optax.sgd(1.0), every_k=2, skip_nonfinite=True)
+  by_noise = accum_jax.accumulate(
+      optax.sgd(1.0), every_k=accum_jax.noise.noise_scale_every_k(8, k_max=4))
   with pytest.raises(ValueError, match=re.escape("Leave apply= out of update for it")):
-    accum_jax.HostSchedule(accum_jax.noise.noise_scale_every_k(8, k_max=4))
+    accum_jax.HostSchedule(by_noise.init(params))
 
 
 def test_nnx_optimizer_takes_apply_through_nnx_jit():
@@ -193,7 +197,7 @@ def test_nnx_optimizer_takes_apply_through_nnx_jit():
   for host in (True, False):
     model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
     optimizer = nnx.Optimizer(model, ADAMW, wrt=nnx.Param)
-    schedule = accum_jax.HostSchedule(K, optimizer.opt_state)
+    schedule = accum_jax.HostSchedule(optimizer)
 
     @functools.partial(nnx.jit, static_argnames="apply")
     def step(model, optimizer, x, apply):
@@ -241,3 +245,104 @@ def test_train_state_and_equinox_take_apply():
     params, opt_state = eqx_step(params, opt_state, grads, weight, apply)
   tree_allclose(params, reference, rtol=0, atol=0)
   np.testing.assert_array_equal(int(accum_jax.optimizer_step(opt_state)), 2)
+
+
+# The loop, not the program: the host decides without the device, and runs ahead of it.
+
+
+@jax.jit
+def _slow(x):
+  """A computation long enough to be seen in flight (a chain of matmuls)."""
+  return jax.lax.fori_loop(0, 20, lambda i, y: jnp.tanh(y @ y), x)
+
+
+_SLOW_INPUT = np.full((512, 512), 1e-3, np.float32)
+
+
+@pytest.mark.parametrize("every_k", [
+    4, accum_jax.piecewise_every_k({0: 2, 3: 4}), lambda step: 2 if step < 3 else 4,
+], ids=["an int", "piecewise_every_k", "a Python function of the step"])
+def test_next_moves_no_data_and_returns_while_a_step_is_in_flight(every_k):
+  schedule = accum_jax.HostSchedule(
+      accum_jax.accumulate(optax.sgd(1.0), every_k=every_k).init(make_params()))
+  _slow(_SLOW_INPUT).block_until_ready()  # compiled before
+  in_flight = _slow(_SLOW_INPUT)
+  with jax.transfer_guard("disallow"):
+    flags = [schedule.next() for _ in range(14)]
+  assert not in_flight.is_ready()  # next() never waited for it
+  lengths = [2, 2, 2, 4, 4] if every_k != 4 else [4, 4, 4, 4]
+  expected = [i + 1 == n for n in lengths for i in range(n)][:14]
+  assert flags == expected
+
+
+def test_a_schedule_that_answers_with_a_device_array_is_refused_with_the_fix():
+  opt = accum_jax.accumulate(optax.sgd(1.0), every_k=lambda step: jnp.where(step < 3, 2, 4))
+  with pytest.raises(TypeError, match="Write the schedule with Python arithmetic"):
+    accum_jax.HostSchedule(opt.init(make_params()))
+
+
+def _slow_loss(params, batch):
+  return jnp.mean((_slow(batch["x"]) @ params["w"] - batch["y"]) ** 2)
+
+
+@functools.partial(jax.jit, static_argnames=("opt", "apply"), donate_argnums=(0, 1))
+def _readme_step(params, state, batch, *, opt, apply):
+  loss, grads = jax.value_and_grad(_slow_loss)(params, batch)
+  updates, state = opt.update(grads, state, params, apply=apply)
+  return optax.apply_updates(params, updates), state, loss
+
+
+def test_the_readme_loop_dispatches_ahead_of_the_device():
+  opt = accum_jax.accumulate(optax.adamw(1e-3), every_k=3)
+  params = {"w": jnp.zeros((512, 1))}
+  state = opt.init(params)
+  batch = {"x": _SLOW_INPUT, "y": np.zeros((512, 1), np.float32)}
+  for apply in (False, True):  # both programs compiled, the state still new
+    _readme_step.lower(params, state, batch, opt=opt, apply=apply).compile()
+  schedule = accum_jax.HostSchedule(state)
+  losses = []
+  for call in range(6):
+    params, state, loss = _readme_step(params, state, batch, opt=opt, apply=schedule.next())
+    losses.append(loss)
+  # The host asked for every flag and dispatched all six calls before the device
+  # finished the first.
+  assert not losses[0].is_ready()
+  assert int(accum_jax.optimizer_step(state)) == 2
+
+
+def test_the_window_length_is_said_once_and_a_flag_cannot_stretch_a_window():
+  state = IDENTITY.init(make_params())
+  for given in ((8, state), (state, 8), (K,)):
+    with pytest.raises(TypeError, match=re.escape("HostSchedule takes the optimizer state alone")):
+      accum_jax.HostSchedule(*given)
+  schedule = accum_jax.HostSchedule(state)
+  assert [schedule.next() for _ in range(2 * K)] == [(i + 1) % K == 0 for i in range(2 * K)]
+  # A hand-written flag that keeps a window open past every_k: the calls beyond it
+  # are refused and counted; the window applies its first K calls.
+  calls = _calls(K + 2)
+  step = jax.jit(IDENTITY.update, static_argnames="apply")
+  for i, (grads, weight) in enumerate(calls):
+    updates, state = step(grads, state, weight=weight, apply=i == K + 1)
+  assert int(state.num_skipped) == 2 and int(state.optimizer_step) == 1
+  tree_allclose(updates, tree_weighted_mean([g for g, _ in calls[:K]], [w for _, w in calls[:K]]))
+
+
+def _skip_fn_multisteps(inner):
+  return optax.MultiSteps(inner, 2, should_skip_update_fn=optax.skip_not_finite)
+
+
+@pytest.mark.parametrize("gate", [
+    lambda inner: optax.apply_if_finite(inner, 5),
+    lambda inner: _skip_fn_multisteps(inner).gradient_transformation(),
+    lambda inner: optax.conditionally_transform(inner, lambda step: step % 2 == 0),
+], ids=["apply_if_finite", "MultiSteps with a skip function", "conditionally_transform"])
+def test_a_gate_around_accumulate_is_refused_on_either_schedule(gate):
+  state = gate(ADAMW).init(make_params())
+  with pytest.raises(ValueError, match="Put no gate around accumulate"):
+    accum_jax.HostSchedule(state)  # the host schedule
+  for read in (accum_jax.optimizer_step, accum_jax.has_updated):  # the device schedule's readers
+    with pytest.raises(ValueError, match="Put no gate around accumulate"):
+      read(state)
+  # Inside, a gate acts on the window's update and is welcome.
+  inside = accum_jax.accumulate(optax.apply_if_finite(optax.adamw(1e-3), 5), every_k=K)
+  assert accum_jax.HostSchedule(inside.init(make_params())).window_length == K
