@@ -106,7 +106,11 @@ def environment() -> dict[str, Any]:
 
 def git_commit() -> str | None:
   """The short commit of the working tree the benchmark runs from, with "-dirty"
-  where tracked files differ from it; None outside git."""
+  where tracked files differ from it; None outside git. ``BENCH_COMMIT`` overrides
+  it, for a copy of the tree whose git history is not the tree's (a remote machine
+  handed the working tree alone)."""
+  if os.environ.get("BENCH_COMMIT"):
+    return os.environ["BENCH_COMMIT"]
   try:
     out = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"],
                          capture_output=True, text=True, timeout=10,
