@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from accum_jax import _core, _flat
+from accum_jax import _core
 from accum_jax._schedules import WindowSchedule
 
 
@@ -69,13 +69,11 @@ class AccumulationState(NamedTuple):
     For an accumulator narrower than float32 (``accumulator_dtype=None`` with
     float16 or bfloat16 gradients), the weighted mean, as ``optax.MultiSteps``
     keeps it: a float16 sum overflows where the mean does not. Zeros while the
-    window holds no call. The gradient's tree in either layout.
+    window holds no call.
     """
     if isinstance(self.accumulator.count, jax.ShapeDtypeStruct):
       return self.accumulator.total  # an abstract state (a restore target): no values
-    total = window_sum(self.accumulator)
-    # The flat layout's vectors, as the gradient's tree (in the accumulator dtype).
-    return _flat.unpack(total) if isinstance(total, _flat.Flat) else total
+    return window_sum(self.accumulator)
 
   @property
   def num_skipped(self) -> jax.Array:

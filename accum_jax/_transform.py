@@ -15,7 +15,7 @@ compiled programs: ``False`` only adds, with nothing of the inner optimizer in i
 left out (``every_k`` and ``flush``, the inner update under a conditional).
 
 The state and its readers are in ``_state``, the window lengths in ``_schedules``,
-the checks of one call's arguments in ``_update_args``, the flat layout in ``_flat``.
+the checks of one call's arguments in ``_update_args``.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from accum_jax import _core, _flat, _inner_checks, _noise, _options, _update_args
+from accum_jax import _core, _inner_checks, _noise, _options, _update_args
 from accum_jax._schedules import ConstantEveryK, EveryKSchedule, WindowSchedule, check_every_k
 from accum_jax._state import AccumulationState, window_sum
 
@@ -82,7 +82,6 @@ class _Options(NamedTuple):
   accumulator_dtype: Any
   skip_nonfinite: str | bool  # "window", "call" or False (SKIP_MODES)
   skip_fn: ShouldSkipUpdateFunction
-  layout: str  # "tree": the accumulator is the gradient's tree; "flat": see _flat
 
 
 class _Call(NamedTuple):
@@ -90,10 +89,6 @@ class _Call(NamedTuple):
 
   grads: Any
   kinds: tuple[str, ...]  # how each gradient leaf combines (_core.per_leaf)
-  # What the accumulator adds: `grads` itself (tree layout), or their group
-  # vectors (flat layout), with the kinds of its leaves.
-  addend: Any
-  addend_kinds: tuple[str, ...]
   params: Any
   weight: Any  # a scalar, or None: the call weighs 1
   flush: jax.Array  # shape=(), dtype=bool
@@ -131,7 +126,7 @@ class _Inner(NamedTuple):
 
 def _make_options(
     inner, every_k, *, reduction, accumulator_dtype, skip_nonfinite, should_skip_update_fn,
-    every_k_name, gradient_noise, layout="tree",
+    every_k_name, gradient_noise,
 ) -> _Options:
   by_noise = every_k if isinstance(every_k, _noise.NoiseScaleSchedule) else None
   schedule = None if by_noise else check_every_k(every_k, every_k_name)
@@ -146,7 +141,6 @@ def _make_options(
       accumulator_dtype=_core.canonicalize_accumulator_dtype(accumulator_dtype),
       skip_nonfinite=_update_args.check_skip_nonfinite(skip_nonfinite),
       skip_fn=should_skip_update_fn or _no_skip,
-      layout=_flat.check_layout(layout),
   )
 
 
@@ -175,12 +169,8 @@ def _init(options: _Options, params: Any) -> AccumulationState:
 
 
 def _empty_window(options: _Options, grads_like: Any) -> _core.Accumulator:
-  """The empty accumulator: the gradient's tree, or its group vectors (flat)."""
-  kinds = _kinds(options, grads_like)
-  if options.layout == "tree":
-    return _core.init(grads_like, options.accumulator_dtype, kinds)
-  layout = _flat.make_layout(grads_like, options.accumulator_dtype, kinds)
-  return _core.init(_flat.zeros(layout), options.accumulator_dtype, layout.group_kinds)
+  """The empty accumulator, of the gradient's tree."""
+  return _core.init(grads_like, options.accumulator_dtype, _kinds(options, grads_like))
 
 
 def _sharded_like(tree: Any, params: Any) -> Any:
@@ -230,19 +220,9 @@ def _kinds(options: _Options, grads: Any) -> tuple[str, ...]:
   return _options.grad_reductions(options.reduction, grads, "reduction")
 
 
-def _grads_like(total: Any) -> Any:
-  """The tree of shapes the gradients must have: the accumulator's, unflattened."""
-  if not isinstance(total, _flat.Flat):
-    return total
-  layout = total.layout
-  return jax.tree.unflatten(
-      layout.treedef, [jax.ShapeDtypeStruct(shape, jnp.float32) for shape in layout.shapes])
-
-
 def _bind(options, grads, state, params, weight, flush, apply, extra_args) -> _Call:
   """Checks one call's arguments (at trace time) and sorts its extra arguments."""
-  total = state.accumulator.total
-  _update_args.check_tree_matches(grads, _grads_like(total))
+  _update_args.check_tree_matches(grads, state.accumulator.total)
   _update_args.check_weight(weight)
   apply = _update_args.check_apply(apply, flush)
   flush = _update_args.check_flush(flush)
@@ -251,16 +231,9 @@ def _bind(options, grads, state, params, weight, flush, apply, extra_args) -> _C
   if value is not None:
     _update_args.check_value(value)
     value = jnp.asarray(value)
-  kinds = _kinds(options, grads)
-  addend, addend_kinds = grads, kinds
-  if isinstance(total, _flat.Flat):
-    addend = _flat.pack(_flat.checked_layout(total.layout, grads, kinds), grads)
-    addend_kinds = total.layout.group_kinds
   return _Call(
       grads=grads,
-      kinds=kinds,
-      addend=addend,
-      addend_kinds=addend_kinds,
+      kinds=_kinds(options, grads),
       params=params,
       weight=weight,
       flush=flush,
@@ -283,8 +256,8 @@ def _add(options: _Options, call: _Call, state: AccumulationState) -> _Window:
     accept = accept & jnp.isfinite(call.value)
   previous = state.accumulator._replace(total=window_sum(state.accumulator))
   accumulator, kept = _core.add(
-      previous, call.addend, call.weight, skip_nonfinite=per_call, accept=accept,
-      kinds=call.addend_kinds,
+      previous, call.grads, call.weight, skip_nonfinite=per_call, accept=accept,
+      kinds=call.kinds,
   )
   value_accumulator = state.value_accumulator
   if call.value is not None:
@@ -294,7 +267,7 @@ def _add(options: _Options, call: _Call, state: AccumulationState) -> _Window:
   # Per call without weight=: B_simple is then counted in calls.
   noise = (
       _noise.add(
-          state.noise, _core.gradient_leaves(call.addend, call.addend_kinds),
+          state.noise, _core.gradient_leaves(call.grads, call.kinds),
           jnp.asarray(1.0 if call.weight is None else call.weight), kept,
       )
       if options.track_noise else ()
@@ -331,7 +304,7 @@ def _drop_overflowing_sum(window: _Window, call: _Call) -> _Window:
   """A float16 sum beyond 65504 would reach the inner optimizer as inf: the
   window is dropped and its calls counted as skipped, like non-finite ones."""
   acc = window.accumulator
-  overflows = window.apply & ~_core.sum_fits(_as_tree(acc), call.grads, call.kinds)
+  overflows = window.apply & ~_core.sum_fits(acc, call.grads, call.kinds)
   return window._replace(
       accumulator=acc._replace(
           num_skipped=acc.num_skipped + jnp.where(overflows, acc.count, 0).astype(jnp.int32)
@@ -340,20 +313,9 @@ def _drop_overflowing_sum(window: _Window, call: _Call) -> _Window:
   )
 
 
-def _as_tree(acc: _core.Accumulator) -> _core.Accumulator:
-  """``acc`` with the gradient's tree as its total (the flat layout's, sliced back)."""
-  if isinstance(acc.total, _flat.Flat):
-    return acc._replace(total=_flat.unpack(acc.total))
-  return acc
-
-
 def _inner_update(options, call, inner_state, window, value_window):
   """The inner optimizer's update on the window's gradient (and `value`)."""
-  if isinstance(window.total, _flat.Flat):
-    vectors = _core.result(window, window.total, call.addend_kinds)
-    grads = _flat.unpack(vectors, like=call.grads)
-  else:
-    grads = _core.result(window, call.grads, call.kinds)
+  grads = _core.result(window, call.grads, call.kinds)
   window_args = {}
   if call.value is not None:
     window_args["value"] = _core.result(value_window, call.value, options.value_reduction)
@@ -455,7 +417,7 @@ def _carrier(update_shapes: Any, held: Any, acc: _core.Accumulator) -> tuple[Any
   """
   total = acc.total
   structure: Any = jax.tree.structure(total)
-  if not isinstance(total, _flat.Flat) and structure == jax.tree.structure(update_shapes):
+  if structure == jax.tree.structure(update_shapes):
     fits = all(
         jnp.shape(t) == u.shape and jnp.promote_types(u.dtype, t.dtype) == t.dtype
         for t, u in zip(jax.tree.leaves(total), jax.tree.leaves(update_shapes))
@@ -571,12 +533,11 @@ def _accumulate(
     should_skip_update_fn: ShouldSkipUpdateFunction | None = None,
     every_k_name: str = "every_k",
     gradient_noise: bool = False,
-    layout: str = "tree",
 ) -> optax.GradientTransformationExtraArgs:
   options = _make_options(
       inner, every_k, reduction=reduction, accumulator_dtype=accumulator_dtype,
       skip_nonfinite=skip_nonfinite, should_skip_update_fn=should_skip_update_fn,
-      every_k_name=every_k_name, gradient_noise=gradient_noise, layout=layout,
+      every_k_name=every_k_name, gradient_noise=gradient_noise,
   )
 
   def init_fn(params):
@@ -611,7 +572,7 @@ def _window_noise(noise: Any, window: _core.Accumulator, call: _Call) -> Any:
   """The window's GradientNoise, from its sums and its mean gradient's norm, read
   off the accumulator (of the gradient leaves, "sum" ones as means: statistics
   are left out)."""
-  totals = _core.gradient_leaves(window.total, call.addend_kinds)
+  totals = _core.gradient_leaves(window.total, call.kinds)
   factor = 1.0 / jnp.where(window.weight > 0, window.weight, 1.0)
   return _noise.estimate(noise, _noise.mean_squared_norm(totals, factor))
 
@@ -647,7 +608,6 @@ def accumulate(
     accumulator_dtype: Any = jnp.float32,
     skip_nonfinite: str | bool = "window",
     gradient_noise: bool = False,
-    layout: str = "tree",
 ) -> optax.GradientTransformationExtraArgs:
   """Accumulates gradients over ``every_k`` calls, then runs ``inner`` once.
 
@@ -655,17 +615,23 @@ def accumulate(
   window hands the window's gradient to ``inner`` and returns its update; the
   other calls return zeros and neither compute nor advance ``inner``. The host
   says which call ends a window with ``update(..., apply=<Python bool>)``, static
-  in the jitted step (two programs; :class:`accum_jax.HostSchedule` gives the
-  flags); left out, the device counts ``every_k`` in one program.
+  in the jitted step: two programs, and :class:`accum_jax.HostSchedule` gives the
+  flags, reading ``every_k`` from the state. Left out, the device counts
+  ``every_k`` in one program (the device schedule).
 
   See the guide: :doc:`/two_doors`.
 
   Args:
     inner: the optimizer to run on the accumulated gradient, any Optax
-      ``GradientTransformation`` or chain.
-    every_k: calls per update, an int >= 1, or a schedule from the optimizer
+      ``GradientTransformation`` or chain. A gate that acts on the applied
+      update (``optax.apply_if_finite``) goes here, inside: around
+      ``accumulate`` it would shift or merge windows.
+    every_k: calls per window, an int >= 1, or a schedule from the optimizer
       step to the number of calls (:func:`accum_jax.piecewise_every_k`,
-      :func:`accum_jax.noise.noise_scale_every_k`).
+      :func:`accum_jax.noise.noise_scale_every_k`). The window's length under
+      either schedule: with an int, a window never holds more calls (a
+      hand-written ``apply=False`` past it is refused and counted in
+      ``num_skipped``).
     reduction: how each leaf combines: ``"mean"`` (default), ``"sum"``,
       ``"max"`` or ``"last"``, a pytree prefix of them, or a callable ``(path,
       leaf)``, as in :func:`accum_jax.value_and_grad`; see
@@ -677,24 +643,25 @@ def accumulate(
       ``"call"`` (each call checked) or False.
     gradient_noise: estimate the gradient noise from the calls' gradients, read
       with :func:`accum_jax.noise.last_window`.
-    layout: ``"tree"`` (default) or ``"flat"`` (the window's sum as one vector
-      per dtype: one add per call whatever the number of leaves); see
-      :doc:`/guides/gpu`.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose ``update(grads, state,
     params=None, *, weight=None, flush=False, apply=None, **extra_args)`` takes a
     scalar ``weight``, ``apply`` (a Python bool: the host ends the window, or
-    only adds) or ``flush`` (update now); other keyword arguments reach
-    ``inner`` on the updating call. Call it under ``jax.jit``.
+    only adds) or ``flush`` (the device schedule: update now); other keyword
+    arguments reach ``inner`` on the updating call. Call it under ``jax.jit``.
 
   Examples:
-    >>> import jax, jax.numpy as jnp, optax, accum_jax
+    >>> import functools, jax, jax.numpy as jnp, optax, accum_jax
     >>> opt = accum_jax.accumulate(optax.sgd(0.1), every_k=2)
     >>> params = {"w": jnp.ones(3)}
     >>> state = opt.init(params)
+    >>> @functools.partial(jax.jit, static_argnames="apply")
+    ... def step(grads, state, apply):
+    ...   return opt.update(grads, state, params, apply=apply)
+    >>> schedule = accum_jax.HostSchedule(state)
     >>> for g in (1.0, 3.0):
-    ...   updates, state = opt.update({"w": jnp.full(3, g)}, state, params)
+    ...   updates, state = step({"w": jnp.full(3, g)}, state, schedule.next())
     ...   print(updates["w"], bool(accum_jax.has_updated(state)))
     [0. 0. 0.] False
     [-0.2 -0.2 -0.2] True
@@ -706,5 +673,4 @@ def accumulate(
       accumulator_dtype=accumulator_dtype,
       skip_nonfinite=skip_nonfinite,
       gradient_noise=gradient_noise,
-      layout=layout,
   )

@@ -38,7 +38,7 @@ float32 add per leaf), the interface's floor (the same, AdamW's state passed
 through untouched), ``accumulate(adamw)`` on the host schedule (``apply=False``
 on 7 calls, ``apply=True`` on the 8th: two compiled programs) and on the device
 schedule (``apply`` left out), a hand-written ``lax.cond`` accumulator, a plain
-AdamW step, ``optax.MultiSteps(adamw)`` and ``accumulate(adamw, layout="flat")``
+AdamW step, ``optax.MultiSteps(adamw)`` and ``accumulate(optax.flatten(adamw))``
 on the host schedule. Micro-steps are set against the interface's floor, windows
 against MultiSteps'. ``--compare PATH`` puts the figures of an earlier run's JSON
 beside the rows it has, naming its card and commit.

@@ -14,9 +14,9 @@ donated. A *micro-step* is a call that only accumulates; a *window* is the
 
 The rows: the floors; the host schedule (``accumulate(adamw)`` with
 ``apply=False`` on 7 calls and ``apply=True`` on the 8th, two compiled programs),
-also with the inner state packed by ``optax.flatten`` and in the flat layout; the
-device schedule (``apply`` left out: one program, a kept conditional), also with
-``skip_nonfinite="call"`` and in the flat layout; a hand-written
+also with the inner state packed by ``optax.flatten``; the device schedule
+(``apply`` left out: one program, a kept conditional), also with
+``skip_nonfinite="call"``; a hand-written
 ``lax.cond`` accumulator; a plain AdamW step; ``optax.MultiSteps(adamw)``.
 
 The rows take turns, a window each per round, so that machine noise falls on all
@@ -194,11 +194,9 @@ def rows(inner: optax.GradientTransformation | None = None) -> dict[str, Row]:
       FLOOR: interface_floor(inner),
       HOST: acc(True),
       "accumulate(optax.flatten(adamw)), host schedule": acc(True, optax.flatten),
-      "accumulate(adamw, layout='flat'), host schedule": acc(True, layout="flat"),
       DEVICE: acc(False),
       "accumulate(adamw, skip_nonfinite='call'), device schedule": acc(
           False, skip_nonfinite="call"),
-      "accumulate(adamw, layout='flat'), device schedule": acc(False, layout="flat"),
       "hand-written lax.cond accumulator": hand_written_cond(inner),
       "plain AdamW step": transformation(inner),
       MULTISTEPS: transformation(optax.MultiSteps(inner, EVERY_K).gradient_transformation()),

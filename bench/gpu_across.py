@@ -18,8 +18,8 @@ an Optax transformation is handed its whole state on every call),
 calls, ``apply=True`` on its last: two compiled programs) and on the device
 schedule (``apply`` left out: one program, a kept conditional), a hand-written
 ``lax.cond`` accumulator, a plain AdamW step, ``optax.MultiSteps(adamw)``, and
-``accumulate(adamw, layout="flat")`` and ``accumulate(optax.flatten(adamw))`` on
-the host schedule. The rows take turns,
+``accumulate(optax.flatten(adamw))`` (the inner state packed in one vector) on the
+host schedule. The rows take turns,
 a window each per round, so that machine noise falls on all alike.
 """
 
@@ -132,7 +132,6 @@ DEVICE = "accumulate(adamw), device schedule"
 HAND_COND = "hand-written lax.cond accumulator"
 PLAIN = "plain AdamW step"
 MULTISTEPS_ADAMW = "optax.MultiSteps(adamw)"
-FLAT_HOST = "accumulate(adamw, layout='flat'), host schedule"
 FLATTEN_HOST = "accumulate(optax.flatten(adamw)), host schedule"
 
 
@@ -228,7 +227,7 @@ def _transformation(tx: optax.GradientTransformation, *, host: bool = False) -> 
 def across_candidates(every_k: int) -> dict[str, Candidate]:
   """The rows of the quick across-calls table, AdamW inside, in the order they are
   measured: the headline figures' rows first (the interface's floor, both schedules,
-  MultiSteps), then the flat layout's and its floor, so that a budget cut falls on
+  MultiSteps), then the packed inner state's and its floor, so that a budget cut falls on
   the others."""
   adamw = optax.adamw(1e-4)
 
@@ -241,7 +240,6 @@ def across_candidates(every_k: int) -> dict[str, Candidate]:
       DEVICE: _transformation(accumulate()),
       MULTISTEPS_ADAMW: _transformation(optax.MultiSteps(adamw, every_k).gradient_transformation()),
       ACC_FLOOR: _acc_only_floor(),
-      FLAT_HOST: _transformation(accumulate(layout="flat"), host=True),
       FLATTEN_HOST: _transformation(
           accum_jax.accumulate(optax.flatten(adamw), every_k=every_k), host=True),
       HAND_COND: _hand_written_cond(adamw, every_k),

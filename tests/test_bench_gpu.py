@@ -227,9 +227,9 @@ def test_the_quick_check_puts_both_doors_in_one_table_beside_an_earlier_run() ->
       "NVIDIA H200, jax 0.11.2, at d1c9549")
 
 
-@pytest.mark.parametrize("layout", ["tree", "flat"])
+@pytest.mark.parametrize("packed", [False, True], ids=["tree", "optax.flatten"])
 def test_the_host_schedule_row_applies_on_the_last_call_what_the_device_schedule_does(
-    layout: str,
+    packed: bool,
 ) -> None:
   gpu_across = _bench("across")
   import jax
@@ -237,7 +237,7 @@ def test_the_host_schedule_row_applies_on_the_last_call_what_the_device_schedule
 
   loss, params, x = _small_problem()
   candidates = gpu_across.across_candidates(2)
-  name = gpu_across.HOST if layout == "tree" else gpu_across.FLAT_HOST
+  name = gpu_across.FLATTEN_HOST if packed else gpu_across.HOST
   host, host_entry = gpu_across.build_row(candidates[name], loss, params, x, 2)
   device, device_entry = gpu_across.build_row(candidates[gpu_across.DEVICE], loss, params, x, 2)
   assert host.applies == [False, True] and device.applies == [None, None]

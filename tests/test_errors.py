@@ -215,12 +215,6 @@ TRIGGERS: dict[str, Callable[[], object]] = {
     "a value of `boundaries` is below 1 or not an int": lambda: accum_jax.piecewise_every_k(
         {0: 1, 10: 0}
     ),
-    "`layout` is unknown": lambda: accum_jax.accumulate(optax.sgd(1.0), 2, layout="vector"),
-    "a parameter is sharded over a mesh axis": lambda: accum_jax.accumulate(
-        optax.sgd(1.0), 2, layout="flat").init(
-            {"w": jax.device_put(jnp.ones(8), NamedSharding(_mesh(), P("data")))}),
-    "a leaf's `reduction` is a statistic (`'max'`, `'last'`: an FP8 amax history)": lambda: (
-        accum_jax.accumulate(optax.sgd(1.0), 2, layout="flat", reduction="max").init({"w": W})),
     "the gradients' tree differs from the parameters' given to `init`": lambda: _sgd_update(
         {"v": W}
     ),

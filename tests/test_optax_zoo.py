@@ -229,9 +229,9 @@ def test_the_zoo_lists_every_optax_optimizer():
   assert not missing, f"not in the zoo nor excluded with a reason: {sorted(missing)}"
 
 
-def _windows(make_opt: Factory, extra_args: Any, layout: str = "tree"):
+def _windows(make_opt: Factory, extra_args: Any):
   """Params after each window: accumulated over K microbatches, and on the full batch."""
-  opt = accum_jax.accumulate(make_opt(), K, layout=layout)
+  opt = accum_jax.accumulate(make_opt(), K)
   reference = optax.with_extra_args_support(make_opt())
   value_and_grad = jax.value_and_grad(_loss)
 
@@ -276,15 +276,9 @@ def test_k_calls_equal_one_full_batch_step(name):
   tree_allclose(ours, theirs)
 
 
-# The exactness of the flat layout, on optimizers of each kind: elementwise (sgd,
-# adamw, lion), with reductions over a leaf (adafactor, lamb), with matrix products
-# (muon), and reading the loss (polyak_sgd).
-FLAT_SAMPLE = ("sgd", "adamw", "lion", "adafactor", "lamb", "contrib.muon", "polyak_sgd")
-
-
-def _one_update(make_opt: Factory, extra_args: Any, layout: str):
+def _one_update(make_opt: Factory, extra_args: Any):
   """One call of ``accumulate(opt).update`` and ``apply_updates``, jitted and lowered."""
-  opt = accum_jax.accumulate(make_opt(), K, layout=layout)
+  opt = accum_jax.accumulate(make_opt(), K)
   params, batch = _problem()
 
   def step(params, state, batch):
@@ -296,10 +290,8 @@ def _one_update(make_opt: Factory, extra_args: Any, layout: str):
   return jax.jit(step).lower(params, opt.init(params), batch)
 
 
-@pytest.mark.parametrize(
-    "name, layout",
-    [(name, "tree") for name in ZOO] + [(name, "flat") for name in FLAT_SAMPLE])
-def test_the_inner_update_sits_behind_a_conditional_a_gpu_keeps(name, layout):
+@pytest.mark.parametrize("name", list(ZOO))
+def test_the_inner_update_sits_behind_a_conditional_a_gpu_keeps(name):
   # XLA:GPU replaces a conditional whose branches are all cheap (Adam's update is
   # elementwise) by selects, running the inner update on every call; accumulate's
   # skip branch passes its operands through, which keeps it. Lowering is enough:
@@ -307,18 +299,10 @@ def test_the_inner_update_sits_behind_a_conditional_a_gpu_keeps(name, layout):
   # Conditionals of the inner optimizer's own (novograd's) sit inside the emitting
   # branch, which runs once a window whatever becomes of them.
   make_opt, extra_args = ZOO[name]
-  outermost = [c for c in gpu_conditionals(_one_update(make_opt, extra_args, layout))
+  outermost = [c for c in gpu_conditionals(_one_update(make_opt, extra_args))
                if "/branch_" not in c.op_name]
   assert len(outermost) == 1, outermost
   assert outermost[0].kept, outermost[0]
-
-
-@pytest.mark.parametrize("name", FLAT_SAMPLE)
-def test_k_calls_equal_one_full_batch_step_in_the_flat_layout(name):
-  make_opt, extra_args = ZOO[name]
-  ours, theirs, optimizer_step = _windows(make_opt, extra_args, layout="flat")
-  assert int(optimizer_step) == WINDOWS
-  tree_allclose(ours, theirs)
 
 
 # ---------------------------------------------------------------------------
