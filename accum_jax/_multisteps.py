@@ -112,7 +112,7 @@ def _window_gradient(acc: _core.Accumulator, use_grad_mean: bool) -> Any:
   the weighted mean. States stacked by a scan have the same leading axes on the
   counters as on the sums.
   """
-  total = _state.window_sum(acc)
+  total = acc.total
   kinds = _options.grad_reductions("mean" if use_grad_mean else "sum", total, "use_grad_mean")
   weight = jnp.asarray(acc.weight)
 

@@ -28,9 +28,8 @@ class AccumulationState(NamedTuple):
   does (the running mean under ``use_grad_mean=True``).
   """
 
-  # The current window; see _core.Accumulator. After a window closes, `total`
-  # keeps what the window left in its buffers until the next call adds to zeros:
-  # read `acc_grads`, which is zeros while the window holds no call (count == 0).
+  # The current window; see _core.Accumulator. `total` is the window's running
+  # sum, zeros once the window has ended (applied, skipped or empty).
   accumulator: _core.Accumulator
   optimizer_step: jax.Array  # shape=(), dtype=int32: updates emitted so far
   inner_opt_state: Any  # the inner optimizer's state, advanced only on updates
@@ -71,9 +70,7 @@ class AccumulationState(NamedTuple):
     keeps it: a float16 sum overflows where the mean does not. Zeros while the
     window holds no call.
     """
-    if isinstance(self.accumulator.count, jax.ShapeDtypeStruct):
-      return self.accumulator.total  # an abstract state (a restore target): no values
-    return window_sum(self.accumulator)
+    return self.accumulator.total
 
   @property
   def num_skipped(self) -> jax.Array:
@@ -82,27 +79,6 @@ class AccumulationState(NamedTuple):
     the calls of a window whose weighted sum (``reduction="sum"``) overflows the
     gradients' float16 or bfloat16 dtype; int32 scalar."""
     return self.accumulator.num_skipped
-
-
-def window_sum(acc: _core.Accumulator) -> Any:
-  """The window's sum: ``acc.total``, or zeros while the window holds no call.
-
-  A closed window leaves its buffers as they are until the next call, whose
-  addition starts from these zeros instead, in the same pass: the window's sum,
-  or, under the device schedule, the updates its conditional carried out in those
-  buffers. Emptying them when the window closes would cost every call that only
-  accumulates a pass more (a select after the conditional, whose emitting branch
-  reads the window), or a copy (XLA does not write a conditional's output in
-  place).
-  """
-  empty = jnp.asarray(acc.count) == 0
-
-  def masked(total):
-    # States stacked by a scan have the same leading axes on the count.
-    where = jnp.reshape(empty, empty.shape + (1,) * (jnp.ndim(total) - empty.ndim))
-    return jnp.where(where, jnp.zeros((), total.dtype), total)
-
-  return jax.tree.map(masked, acc.total)
 
 
 # Optax wrappers that may reject a call's whole new inner state: around accumulate,

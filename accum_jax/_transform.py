@@ -29,7 +29,7 @@ import optax
 
 from accum_jax import _core, _inner_checks, _noise, _options, _update_args
 from accum_jax._schedules import ConstantEveryK, EveryKSchedule, WindowSchedule, check_every_k
-from accum_jax._state import AccumulationState, window_sum
+from accum_jax._state import AccumulationState
 
 
 class ShouldSkipUpdateFunction(Protocol):
@@ -49,6 +49,11 @@ def _cast_like(new: Any, old: Any) -> Any:
   )
 
 
+def _counters_restarted(done: jax.Array, acc: _core.Accumulator) -> _core.Accumulator:
+  """``acc``'s weight and count restarted where ``done`` (its sum and skip count kept)."""
+  return acc._replace(weight=jnp.where(done, 0.0, acc.weight), count=jnp.where(done, 0, acc.count))
+
+
 def _restart_where(done: jax.Array, acc: _core.Accumulator) -> _core.Accumulator:
   """``acc`` emptied where ``done`` (its skip count kept): a select, no copy."""
   return _core.Accumulator(
@@ -57,12 +62,6 @@ def _restart_where(done: jax.Array, acc: _core.Accumulator) -> _core.Accumulator
       count=jnp.where(done, 0, acc.count),
       num_skipped=acc.num_skipped,
   )
-
-
-def _close_where(done: jax.Array, acc: _core.Accumulator) -> _core.Accumulator:
-  """The window closed where ``done``: its counters restart; its sum stays (see
-  :func:`accum_jax._state.window_sum`), and so does the skip count."""
-  return acc._replace(weight=jnp.where(done, 0.0, acc.weight), count=jnp.where(done, 0, acc.count))
 
 
 def _no_skip(updates: Any, gradient_step: jax.Array, params: Any):
@@ -119,8 +118,7 @@ class _Inner(NamedTuple):
   # shape=(), dtype=bool: the window was applied: it ended, held weight, and (with
   # skip_nonfinite="window") its sums were finite. A Python bool where the host decided.
   applied: Any
-  # The accumulator's sum after the call where the conditional returned it (the
-  # updates took its buffers on an emitting call), else None: the window's own.
+  # The accumulator's sum after the call: the window's, or zeros where it ended.
   total: Any = None
 
 
@@ -254,9 +252,8 @@ def _add(options: _Options, call: _Call, state: AccumulationState) -> _Window:
     # A NaN loss is bad data as much as a NaN gradient (and would poison the
     # window's mean loss): the call is skipped.
     accept = accept & jnp.isfinite(call.value)
-  previous = state.accumulator._replace(total=window_sum(state.accumulator))
   accumulator, kept = _core.add(
-      previous, call.grads, call.weight, skip_nonfinite=per_call, accept=accept,
+      state.accumulator, call.grads, call.weight, skip_nonfinite=per_call, accept=accept,
       kinds=call.kinds,
   )
   value_accumulator = state.value_accumulator
@@ -385,9 +382,6 @@ def _emit(options, call, window, inner_state, acc, value_window, last_noise, car
     return carrier, inner_state, last_noise
 
   finite = _window_finite(options, call, acc, value_window)
-  if finite is None and call.apply is None:
-    # Under the conditional this runs only where window.apply: nothing to judge.
-    return (*update(inner_state, last_noise), jnp.array(True))
   applied = window.apply if finite is None else window.apply & finite
   if call.apply is None:
     # Inside the device schedule's conditional: a select of the inner state here
@@ -401,19 +395,27 @@ def _emit(options, call, window, inner_state, acc, value_window, last_noise, car
   return (*new, applied)
 
 
+def _emptied(total: Any) -> Any:
+  """Zeros of ``total``'s leaves, each computed from its leaf, so that XLA writes
+  them in place of the window's buffers (a zero constant would be one shared
+  value, copied into each buffer)."""
+  return jax.tree.map(
+      lambda t: jnp.where(jnp.isfinite(t), t - t, jnp.zeros((), t.dtype)), total)
+
+
 def _carrier(update_shapes: Any, held: Any, acc: _core.Accumulator) -> tuple[Any, bool]:
   """What the device schedule's conditional takes and returns as the updates, and
-  whether it is the window's sum.
+  whether it is the window's sum before this call.
 
-  The skip branch must pass it through untouched (XLA:GPU keeps only such a
-  conditional), and a value passed through is free only if nothing reads it
-  after: the parameters are read again by ``apply_updates`` (XLA copies them
-  into the branch), and a gradient taken in the same step must then be written
-  out rather than fused into the accumulator's add. The window's sum is free:
-  the emitting call is its last reader, so the updates can take its buffers (it
-  becomes the state's sum, which :func:`accum_jax._state.window_sum` reads as
-  zeros once the window is closed). Where the updates do not fit it (another
-  tree, or a dtype the sum cannot hold exactly), ``held``: the gradient, cast.
+  The branch that holds the window must pass it through untouched (XLA:GPU keeps
+  only such a conditional), and a value passed through is free only if nothing
+  reads it after: the parameters are read again by ``apply_updates`` (XLA copies
+  them into the branch), and so is a gradient taken in the same step, by the add
+  after the conditional. The window's sum before this call is free: where the
+  window holds, the add after the conditional reads it from the conditional's
+  output, and where it ends, the branch that ends it is its last reader, so the
+  updates can take its buffers. Where the updates do not fit it (another tree, or
+  a dtype the sum cannot hold exactly), ``held``: the gradient, cast.
   """
   total = acc.total
   structure: Any = jax.tree.structure(total)
@@ -442,47 +444,56 @@ def _step_inner(options, call, state, window) -> _Inner:
 def _host_step(options, call, state, window, update_shapes) -> _Inner:
   """``apply=False``: constant zeros and the inner state as it is, with nothing of
   the inner optimizer in the program. ``apply=True``: the inner update, with no
-  conditional."""
+  conditional, and the window emptied."""
+  total = window.accumulator.total
   if not call.apply:
     zeros = _held(update_shapes, call.grads, make=_constant_zeros)
-    return _Inner(zeros, state.inner_opt_state, state.last_noise, False)
+    return _Inner(zeros, state.inner_opt_state, state.last_noise, False, total)
   updates, inner_state, last_noise, applied = _emit(
       options, call, window, state.inner_opt_state, window.accumulator,
       window.value_accumulator, state.last_noise, _held(update_shapes, call.grads))
-  return _Inner(_zero_unless(applied, updates), inner_state, last_noise, applied)
+  return _Inner(_zero_unless(applied, updates), inner_state, last_noise, applied,
+                _emptied(total))
 
 
 def _device_step(options, call, state, window, update_shapes) -> _Inner:
   """The inner update under a conditional that every backend keeps, so that it runs
-  on the emitting call alone.
+  on the call that ends a window alone.
 
   XLA:GPU replaces a two-branch conditional whose branches hold only cheap
   operations (elementwise, broadcasts, reductions: Adam's whole update) by selects,
   and then runs both branches on every call; it keeps one whose other branch only
   passes its operands through (:func:`accum_jax.testing.gpu_conditionals` predicts
-  which). So the skip branch here returns its operands as they are: the inner
-  state, the last window's noise, and a value of the updates' shapes
+  which). So the branch that holds the window returns its operands as they are:
+  the inner state, the last window's noise, and a value of the updates' shapes
   (:func:`_carrier`); the zero updates are a ``where`` after the conditional
-  (:func:`_zero_unless`), and the window's restart is one in :func:`_next_state`.
+  (:func:`_zero_unless`), and so is the window's sum, emptied where it ended.
   """
   held = _held(update_shapes, call.grads)  # the updates' dtypes, as the caller gets them
   carrier, is_sum = _carrier(update_shapes, held, window.accumulator)
 
-  def emit(inner_state, acc, value_window, last_noise, carrier, not_applied):
-    del not_applied
+  def end(inner_state, acc, value_window, last_noise, carrier, not_done):
+    del not_done
     return _emit(options, call, window, inner_state, acc, value_window, last_noise, carrier)
 
-  def hold(inner_state, acc, value_window, last_noise, carrier, not_applied):
+  def hold(inner_state, acc, value_window, last_noise, carrier, not_done):
     del acc, value_window
-    return carrier, inner_state, last_noise, not_applied
+    return carrier, inner_state, last_noise, not_done
 
-  # `window.apply` (False where hold runs) passes through as the flag: a
+  # `window.done` (False where hold runs) passes through as the flag: a
   # constant made in the branch would make XLA:GPU turn the conditional into selects.
   out, inner_state, last_noise, applied = jax.lax.cond(
-      window.apply, emit, hold, state.inner_opt_state, window.accumulator,
-      window.value_accumulator, state.last_noise, carrier, window.apply)
+      window.done, end, hold, state.inner_opt_state, window.accumulator,
+      window.value_accumulator, state.last_noise, carrier, window.done)
   updates = _zero_unless(applied, _cast_like(out, held))
-  return _Inner(updates, inner_state, last_noise, applied, out if is_sum else None)
+  # Where the window held, `out` is its sum, passed through; where it ended, the
+  # updates took the sum's buffers, and the state's sum is emptied.
+  total = _emptied_where(window.done, out if is_sum else window.accumulator.total)
+  return _Inner(updates, inner_state, last_noise, applied, total)
+
+
+def _emptied_where(done: jax.Array, total: Any) -> Any:
+  return jax.tree.map(lambda t: jnp.where(done, jnp.zeros((), t.dtype), t), total)
 
 
 def _next_state(options, call, state, window, inner: _Inner) -> AccumulationState:
@@ -495,9 +506,7 @@ def _next_state(options, call, state, window, inner: _Inner) -> AccumulationStat
         _core.result(window.value_accumulator, window_value, options.value_reduction),
         window_value,
     )
-  acc = window.accumulator
-  if inner.total is not None:
-    acc = acc._replace(total=inner.total)
+  acc = window.accumulator._replace(total=inner.total)
   # A window that ends with zero total weight holds nothing to apply (its
   # sum is zero too); it restarts, and is counted.
   empty_window = window.done & ~window.apply & (acc.count > 0) & (acc.weight == 0)
@@ -505,7 +514,7 @@ def _next_state(options, call, state, window, inner: _Inner) -> AccumulationStat
   refused = window.apply & ~applied
   acc = acc._replace(num_skipped=acc.num_skipped + jnp.where(refused, acc.count, 0))
   return AccumulationState(
-      accumulator=_close_where(window.done, acc),
+      accumulator=_counters_restarted(window.done, acc),
       optimizer_step=state.optimizer_step + applied.astype(jnp.int32),
       inner_opt_state=inner.state,
       last_updated=applied,

@@ -6,7 +6,8 @@ against the interface's floor (the gradient plus a float32 tree add, with the
 optimizer state passed through): in the combined form (the gradient in the same
 jit), the host schedule's call that only accumulates holds no conditional, at most
 1.10x the floor's top-level fusions and no copy of more than a scalar; the device
-schedule keeps one conditional, within 1.15x the fusions, and copies no leaf either.
+schedule keeps one conditional, within 1.25x the fusions (its sum emptied after the
+conditional, issue 40), and copies no leaf either.
 How many scalar copies XLA makes, and that it copies every leaf a hand-written
 conditional passes through, are its choices: in test_xla_facts.py, on these programs.
 """
@@ -85,6 +86,10 @@ def test_the_device_schedule_keeps_one_conditional_and_copies_no_leaf(bench, pro
   counts = _counts(programs)
   floor, device, hand = counts[bench.FLOOR], counts[bench.DEVICE], counts[HAND]
   assert device.conditionals == 1 and hand.conditionals == 1
-  assert device.fusions <= 1.15 * floor.fusions, (device, floor)
+  # One pass a leaf more than the floor's add: the parameters' update (one program
+  # cannot leave them untouched), and the window's sum emptied after the
+  # conditional where the window ended (the state keeps the sum or zeros, never the
+  # updates it carried); XLA:CPU does not fuse that select with the update's.
+  assert device.fusions <= 1.25 * floor.fusions, (device, floor)
   # The window's sum carried through the conditional as the updates: no leaf copied.
   assert _leaf_copies(programs[bench.DEVICE]) == []

@@ -346,3 +346,31 @@ def test_a_gate_around_accumulate_is_refused_on_either_schedule(gate):
   # Inside, a gate acts on the window's update and is welcome.
   inside = accum_jax.accumulate(optax.apply_if_finite(optax.adamw(1e-3), 5), every_k=K)
   assert accum_jax.HostSchedule(inside.init(make_params())).window_length == K
+
+
+@pytest.mark.parametrize("host", [True, False], ids=["host schedule", "device schedule"])
+def test_the_state_keeps_the_window_sum_or_zeros_after_every_call(host):
+  # Windows of K: the first applied, the second skipped (a NaN call), the third
+  # applied; after every call the accumulator holds the running sum of the
+  # window's calls, never the updates or a NaN, so that a checkpoint saved then
+  # holds what it says.
+  opt = accum_jax.accumulate(optax.sgd(1.0), every_k=K)
+  calls = _calls(3 * K, nan_at=(K + 1,))
+  state, params = opt.init(make_params()), make_params()
+  window: list[tuple] = []
+  for i, (grads, weight) in enumerate(calls):
+    if host:
+      params, state = _step(params, state, grads, weight, opt=opt, apply=(i + 1) % K == 0)
+    else:
+      params, state = _device_step(params, state, grads, weight, opt=opt)
+    window = [] if (i + 1) % K == 0 else window + [(grads, weight)]
+    expected = jax.tree.map(lambda *gs: sum(float(w) * g for g, (_, w) in zip(gs, window)),
+                            *[g for g, _ in window]) if window else None
+    total = state.accumulator.total
+    if expected is None:
+      jax.tree.map(lambda t: np.testing.assert_array_equal(t, 0), total)
+    elif i // K == 1 and i > K:  # the NaN call is in the window
+      assert all(np.isnan(t).any() for t in jax.tree.leaves(total))
+    else:
+      tree_allclose(total, expected)
+  assert int(state.optimizer_step) == 2 and int(state.num_skipped) == K
