@@ -42,9 +42,9 @@ BATCH_SIZE = 64
 MICROBATCH_SIZE = 16
 EVERY_K = BATCH_SIZE // MICROBATCH_SIZE  # microbatches per optimizer step
 # 1456 = 22 * 64 + 48: every epoch ends with a batch of 48, i.e. a window of 3 of the 4
-# microbatches, which must be flushed. It is kept a multiple of 16 so that the mean of the
-# microbatch gradients is the mean over the batch (for ragged microbatches, pass each
-# one's size as `weight=`).
+# microbatches, which must be closed early. It is kept a multiple of 16 so that the mean
+# of the microbatch gradients is the mean over the batch (for ragged microbatches, pass
+# each one's size as `weight=`).
 TRAIN_SIZE = 1456
 LEARNING_RATE = 3e-3
 # The two runs should differ by float32 round-off only; this is far above that.
