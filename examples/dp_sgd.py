@@ -15,12 +15,13 @@ train step in physical batches of 64 (4 x smaller), padded and masked::
 
 ``apply`` is static in the jitted step: the host knows which physical batch is a
 logical batch's last, so the calls before it compile to the clipped gradient sum and
-one add, and only the last one runs the noise and Adam. Adam runs once per logical batch, on (sum of the clipped gradients + one noise draw)
-/ 256. The script checks the first logical batch against one call on the whole of it,
-written out by hand (vmap, clip, sum, the same noise, Adam), and prints the test
-accuracy and the numbers a privacy accountant takes: the optimizer steps
-(``accum_jax.optimizer_step``), the sampling rate and the noise multiplier. With
-``dp_accounting`` installed it prints epsilon too.
+one add, and only the last one runs the noise and Adam. Adam runs once per logical
+batch, on (sum of the clipped gradients + one noise draw) / 256. The script checks
+the first logical batch against one call on the whole of it, written out by hand
+(vmap, clip, sum, the same noise, Adam), and prints the test accuracy and the numbers
+a privacy accountant takes: the optimizer steps (``accum_jax.optimizer_step``), the
+sampling rate and the noise multiplier. With ``dp_accounting`` installed it prints
+epsilon too.
 
   python examples/dp_sgd.py           # 40 epochs, about 15 s on a laptop CPU
   python examples/dp_sgd.py --quick   # 6 epochs, a smoke test
