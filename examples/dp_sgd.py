@@ -11,14 +11,17 @@ train step in physical batches of 64 (4 x smaller), padded and masked::
   for each logical batch (accum_jax.privacy.poisson_batches):
     for each physical batch (indices, mask):
       grads, _ = grad_sum(params, batch, mask)     # clipped per example, summed
-      updates, state = opt.update(grads, state, params, flush=is_last)
+      updates, state = opt.update(grads, state, params, apply=is_last)
 
-Adam runs once per logical batch, on (sum of the clipped gradients + one noise draw)
-/ 256. The script checks the first logical batch against one call on the whole of it,
-written out by hand (vmap, clip, sum, the same noise, Adam), and prints the test
-accuracy and the numbers a privacy accountant takes: the optimizer steps
-(``accum_jax.optimizer_step``), the sampling rate and the noise multiplier. With
-``dp_accounting`` installed it prints epsilon too.
+``apply`` is static in the jitted step: the host knows which physical batch is a
+logical batch's last, so the calls before it compile to the clipped gradient sum and
+one add, and only the last one runs the noise and Adam. Adam runs once per logical
+batch, on (sum of the clipped gradients + one noise draw) / 256. The script checks
+the first logical batch against one call on the whole of it, written out by hand
+(vmap, clip, sum, the same noise, Adam), and prints the test accuracy and the numbers
+a privacy accountant takes: the optimizer steps (``accum_jax.optimizer_step``), the
+sampling rate and the noise multiplier. With ``dp_accounting`` installed it prints
+epsilon too.
 
   python examples/dp_sgd.py           # 40 epochs, about 15 s on a laptop CPU
   python examples/dp_sgd.py --quick   # 6 epochs, a smoke test
@@ -27,6 +30,7 @@ accuracy and the numbers a privacy accountant takes: the optimizer steps
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 
 import jax
@@ -136,10 +140,10 @@ def main():
       expected_batch_size=EXPECTED_BATCH_SIZE, key=noise_key,
   )
 
-  @jax.jit
+  @functools.partial(jax.jit, static_argnames="last")
   def train_step(params, opt_state, x, y, mask, last):
     grads, _ = grad_sum(params, (x, y), mask)  # and the examples kept, for logging
-    updates, opt_state = opt.update(grads, opt_state, params, flush=last)
+    updates, opt_state = opt.update(grads, opt_state, params, apply=last)
     return optax.apply_updates(params, updates), opt_state
 
   params, opt_state = params0, opt.init(params0)

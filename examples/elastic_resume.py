@@ -11,7 +11,12 @@ parameter's largest axis is split over the devices, and so is each batch.
   2. A fresh process with 4 devices builds the restore target for its own mesh with
      ``accum_jax.checkpoint.abstract_tree`` (each parameter, its Adam moments and its slot of
      the accumulator sharded like the parameter; counters replicated), restores,
-     and trains the last 6 calls.
+     makes its ``accum_jax.HostSchedule`` from the restored state (which reads where
+     the window stopped), and trains the last 6 calls.
+
+Each call passes ``apply`` from the ``HostSchedule``, static in the jitted step, through
+``accum_jax.flax.apply_gradients``: the calls that only add compile to the gradient
+and one add.
 
 It prints where the restored state lives and how far the final parameters are from
 the reference: float32 round-off, since 4 devices sum the batch in another order.
@@ -34,6 +39,7 @@ _count = RESTORE_DEVICES if RESUMING else SAVE_DEVICES
 os.environ["XLA_FLAGS"] = " ".join([*_flags, f"--xla_force_host_platform_device_count={_count}"])
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import functools
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -49,6 +55,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import accum_jax
+import accum_jax.flax
 
 EVERY_K = 4
 TOTAL_CALLS = 12
@@ -100,18 +107,19 @@ def batch_for(call: int, mesh: jax.sharding.Mesh) -> dict[str, jax.Array]:
   return jax.device_put({"x": x, "y": y}, NamedSharding(mesh, P("data")))
 
 
-@jax.jit
-def train_step(state: TrainState, batch: dict[str, jax.Array]) -> TrainState:
+@functools.partial(jax.jit, static_argnames="apply")
+def train_step(state: TrainState, batch: dict[str, jax.Array], apply: bool) -> TrainState:
   def loss(params):
     return jnp.mean((state.apply_fn({"params": params}, batch["x"]) - batch["y"]) ** 2)
 
-  # On 3 calls of 4 the update is zero; on the 4th, Adam's step on the window's mean.
-  return state.apply_gradients(grads=jax.grad(loss)(state.params))
+  # On 3 calls of 4 only the add; on the 4th, Adam's step on the window's mean.
+  return accum_jax.flax.apply_gradients(state, grads=jax.grad(loss)(state.params), apply=apply)
 
 
 def train(state: TrainState, calls: range, mesh: jax.sharding.Mesh) -> TrainState:
+  schedule = accum_jax.HostSchedule(state)  # from the state it starts from, new or restored
   for call in calls:
-    state = train_step(state, batch_for(call, mesh))
+    state = train_step(state, batch_for(call, mesh), schedule.next())
   return state
 
 

@@ -9,7 +9,9 @@ the same model and see the same batches:
   same call, the batch scanned as 4 microbatches of 32 inside it;
 * the standard Equinox loop on microbatches of 32, with the optimizer
   ``accum_jax.accumulate(optax.adam(...), every_k=4)``: Adam runs on every 4th
-  call, on the mean of the 4 gradients.
+  call, on the mean of the 4 gradients. Each call passes ``apply`` from
+  ``accum_jax.HostSchedule(opt_state)``, a Python bool that ``eqx.filter_jit``
+  treats as static: the calls that only add compile to the gradient and one add.
 
 Both doors compute the full-batch gradient (each microbatch's mean loss, averaged
 over 4 equal microbatches), so the three runs' parameters agree to float32
@@ -63,12 +65,17 @@ def loss_fn(model: eqx.nn.MLP, x: jax.Array, y: jax.Array) -> jax.Array:
 
 
 def make_step(value_and_grad, optim):
-  """The usual Equinox training step, with the gradient from ``value_and_grad``."""
+  """The usual Equinox training step, with the gradient from ``value_and_grad``.
+
+  ``apply`` is None for a plain optimizer; for ``accumulate`` it is the host's word on
+  whether the call ends a window, a Python bool and so static under ``filter_jit``.
+  """
 
   @eqx.filter_jit
-  def step(model, opt_state, x, y):
+  def step(model, opt_state, x, y, apply):
     loss, grads = value_and_grad(model, x, y)
-    updates, opt_state = optim.update(grads, opt_state, eqx.filter(model, eqx.is_array))
+    extra = {} if apply is None else {"apply": apply}
+    updates, opt_state = optim.update(grads, opt_state, eqx.filter(model, eqx.is_array), **extra)
     return eqx.apply_updates(model, updates), opt_state, loss
 
   return step
@@ -129,11 +136,14 @@ def main():
   with tqdm(total=len(runs) * len(batches), desc="training", unit="step") as bar:
     for name, (step, optim, calls_per_batch) in runs.items():
       model, opt_state = model0, optim.init(eqx.filter(model0, eqx.is_array))
+      # accumulate's window length, read from its state; a plain optimizer has none.
+      schedule = accum_jax.HostSchedule(opt_state) if calls_per_batch > 1 else None
       history, snapshots[name] = [], []
       for idx in batches:
         batch_losses = []
         for part in np.split(idx, calls_per_batch):
-          model, opt_state, loss = step(model, opt_state, train_x[part], train_y[part])
+          apply = schedule.next() if schedule else None
+          model, opt_state, loss = step(model, opt_state, train_x[part], train_y[part], apply)
           batch_losses.append(loss)
         history.append(float(np.mean(batch_losses)))
         snapshots[name].append(model)

@@ -12,10 +12,13 @@ By default (``--door accumulate``) the optimizer accumulates across calls::
   nnx.Optimizer(model, accum_jax.accumulate(optax.adamw(...), every_k=4), wrt=nnx.Param)
 
 Each jitted call takes one microbatch of 32 and calls ``optimizer.update(model,
-grads, flush=...)``, which passes ``flush`` through to ``accumulate``. AdamW
-runs on every 4th call, on the mean of the 4 gradients; the other calls leave
-the parameters as they are. The training set is 45 microbatches, so each epoch
-ends with a window of 1, closed with ``flush=True``.
+grads, apply=...)``, which passes ``apply`` through to ``accumulate``. ``apply``
+comes from ``accum_jax.HostSchedule(optimizer)``, which reads ``every_k`` from the
+optimizer's state and counts the calls in Python, and it is static in ``nnx.jit``:
+the calls that only add compile to the gradient plus one add, and AdamW runs on
+every 4th call, on the mean of the 4 gradients; the other calls leave the
+parameters as they are. The training set is 45 microbatches, so each epoch ends
+with a window of 1, closed by ``schedule.next(last=True)``.
 
 With ``--door value_and_grad`` each call takes a whole batch of 128 instead, and
 ``accum_jax.flax.nnx_value_and_grad`` scans over its 4 microbatches inside the
@@ -29,7 +32,9 @@ updates once per call. One line guards it against a bad batch::
 A step whose loss or gradient sums are not finite comes back with a NaN gradient
 (and the BatchNorm statistics as they were), so ``apply_if_finite`` leaves the
 parameters and AdamW's state as they are and counts the step; ``accumulate``
-does the same for a window by itself.
+does the same for a window by itself. After 5 consecutive non-finite steps the
+sixth goes through and the parameters become NaN: choose the cap for how long a
+run of bad batches you would rather stop on.
 
 Both doors see the same microbatches in the same order, with the same dropout
 keys and BatchNorm updates, so they train alike; they differ in each epoch's
@@ -107,13 +112,13 @@ def loss_fn(model: CNN, rngs: nnx.Rngs | None, batch):
   return loss, logits
 
 
-@nnx.jit
-def train_step(model, optimizer, metrics, rngs, batch, flush):
-  """One microbatch: its gradient goes into the window; AdamW runs when it is full."""
+@partial(nnx.jit, static_argnames="apply", donate_argnums=(0, 1))
+def train_step(model, optimizer, metrics, rngs, batch, apply):
+  """One microbatch: its gradient goes into the window; AdamW runs where apply is True."""
   grad_fn = nnx.value_and_grad(loss_fn, has_aux=True)
   (loss, logits), grads = grad_fn(model, rngs, batch)
   metrics.update(loss=loss, logits=logits, labels=batch["label"])
-  optimizer.update(model, grads, flush=flush)  # flush reaches accumulate()
+  optimizer.update(model, grads, apply=apply)  # apply reaches accumulate()
 
 
 # The same loss_fn and call as nnx.value_and_grad; model and rngs are threaded
@@ -164,10 +169,14 @@ def main():
   else:
     # A skipped step's gradient is NaN: apply_if_finite skips the update (XLA:GPU runs
     # its two cheap branches as selects, so the GPU never waits on the host for it).
+    # After 5 consecutive non-finite steps the sixth goes through: the parameters
+    # become NaN. Choose the cap for how long a run of bad batches to stop on.
     tx = optax.apply_if_finite(optax.adamw(LEARNING_RATE), max_consecutive_errors=5)
     print(f"NNX CNN on {TRAIN_SIZE} digits: accum_jax.flax.nnx_value_and_grad, one call per"
           f" batch of {BATCH_SIZE} scanned as {EVERY_K} microbatches")
   optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+  if args.door == "accumulate":
+    schedule = accum_jax.HostSchedule(optimizer)  # every_k, read from the state, once
   metrics = nnx.MultiMetric(
       accuracy=nnx.metrics.Accuracy(),
       loss=nnx.metrics.Average("loss"),
@@ -182,9 +191,9 @@ def main():
     for i, idx in enumerate(chunks):
       batch = {key: value[idx] for key, value in train.items()}
       if args.door == "accumulate":
-        # The epoch's last window holds 1 microbatch: flush it. `flush` is traced,
-        # so this does not recompile.
-        train_step(model, optimizer, metrics, rngs, batch, i == len(chunks) - 1)
+        # The epoch's last window holds 1 microbatch: last=True closes it.
+        apply = schedule.next(last=i == len(chunks) - 1)
+        train_step(model, optimizer, metrics, rngs, batch, apply)
       else:
         microbatched_train_step(model, optimizer, metrics, rngs, batch)
     train_metrics = {name: float(value) for name, value in metrics.compute().items()}
@@ -202,7 +211,7 @@ def main():
     print(f"Adam updates (accum_jax.optimizer_step):         "
           f"{int(accum_jax.optimizer_step(optimizer))}")
     windows, last = divmod(TRAIN_SIZE // MICROBATCH_SIZE, EVERY_K)
-    print(f"  each epoch: {windows} windows of {EVERY_K} calls and a flushed window of {last}")
+    print(f"  each epoch: {windows} windows of {EVERY_K} calls and a last window of {last}")
   else:
     skipped = int(optimizer.opt_state.total_notfinite[...])
     print(f"Adam updates (one per call):                     {calls - skipped}")

@@ -8,9 +8,13 @@ initial parameters and over the same shuffled examples:
       microbatches of 16, one jitted call per microbatch; the parameters change only on
       every 4th call, with the mean of the 4 gradients.
 
-The training set does not divide into batches of 64, so each epoch ends with a partial
-window, which (b) closes with ``flush=True`` and (a) sees as a short last batch. The two
-loss curves then agree to float32 round-off, and the script prints by how much.
+In (b) the host says which call ends a window: ``apply=schedule.next(last=...)`` from
+``accum_jax.HostSchedule(opt_state)``, a Python bool, static in the jitted step, so the
+calls that only add compile to the gradient plus one add. The training set does not
+divide into batches of 64, so each epoch ends with a partial window, which (b) closes
+with ``last=True`` and (a) sees as a short last batch. The two loss curves then agree
+to float32 round-off, and the script prints by how much. The losses stay on the device
+until training ends, so neither loop waits for the device.
 
   python examples/quickstart.py            # about 10 s on two CPU cores
   python examples/quickstart.py --quick    # one epoch, a smoke test
@@ -19,6 +23,7 @@ loss curves then agree to float32 round-off, and the script prints by how much.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import time
 from pathlib import Path
@@ -37,9 +42,9 @@ BATCH_SIZE = 64
 MICROBATCH_SIZE = 16
 EVERY_K = BATCH_SIZE // MICROBATCH_SIZE  # microbatches per optimizer step
 # 1456 = 22 * 64 + 48: every epoch ends with a batch of 48, i.e. a window of 3 of the 4
-# microbatches, which must be flushed. It is kept a multiple of 16 so that the mean of the
-# microbatch gradients is the mean over the batch (for ragged microbatches, pass each
-# one's size as `weight=`).
+# microbatches, which must be closed early. It is kept a multiple of 16 so that the mean
+# of the microbatch gradients is the mean over the batch (for ragged microbatches, pass
+# each one's size as `weight=`).
 TRAIN_SIZE = 1456
 LEARNING_RATE = 3e-3
 # The two runs should differ by float32 round-off only; this is far above that.
@@ -96,16 +101,20 @@ def loss_fn(params, images, labels):
   return optax.losses.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
 
-def make_train_step(optimizer):
-  """One jitted gradient step; `update_kwargs` reach `optimizer.update` (e.g. flush)."""
+@functools.partial(jax.jit, static_argnames="optimizer")
+def train_step(params, opt_state, images, labels, optimizer):
+  """One jitted gradient step of a plain optimizer."""
+  loss, grads = jax.value_and_grad(loss_fn)(params, images, labels)
+  updates, opt_state = optimizer.update(grads, opt_state, params)
+  return optax.apply_updates(params, updates), opt_state, loss
 
-  @jax.jit
-  def train_step(params, opt_state, images, labels, **update_kwargs):
-    loss, grads = jax.value_and_grad(loss_fn)(params, images, labels)
-    updates, opt_state = optimizer.update(grads, opt_state, params, **update_kwargs)
-    return optax.apply_updates(params, updates), opt_state, loss
 
-  return train_step
+@functools.partial(jax.jit, static_argnames=("optimizer", "apply"))
+def accumulate_step(params, opt_state, images, labels, optimizer, apply):
+  """One microbatch's call of `accumulate`: `apply` (static) says whether it ends a window."""
+  loss, grads = jax.value_and_grad(loss_fn)(params, images, labels)
+  updates, opt_state = optimizer.update(grads, opt_state, params, apply=apply)
+  return optax.apply_updates(params, updates), opt_state, loss
 
 
 @jax.jit
@@ -123,7 +132,6 @@ def train_batch64(params, data, orders, num_steps):
   """Run (a): plain Adam, one update per batch of 64. Returns params and loss per step."""
   images, labels = data
   optimizer = optax.adam(LEARNING_RATE)
-  train_step = make_train_step(optimizer)
   opt_state = optimizer.init(params)
   losses = []
   with tqdm(total=num_steps, desc="batch 64          ", disable=None) as bar:
@@ -131,19 +139,22 @@ def train_batch64(params, data, orders, num_steps):
       for idx in batches:
         # The short last batch compiles train_step a second time, for its shape; run (b)
         # only ever sees microbatches of 16.
-        params, opt_state, loss = train_step(params, opt_state, images[idx], labels[idx])
-        losses.append(float(loss))
+        params, opt_state, loss = train_step(
+            params, opt_state, images[idx], labels[idx], optimizer
+        )
+        losses.append(loss)
         bar.update()
-  return params, np.array(losses)
+  return params, np.array(jax.device_get(losses))
 
 
 def train_accumulated(params, data, orders, num_steps):
   """Run (b): 4 x 16 accumulated into one Adam update. Returns params and loss per step."""
   images, labels = data
   optimizer = accum_jax.accumulate(optax.adam(LEARNING_RATE), every_k=EVERY_K)
-  train_step = make_train_step(optimizer)
   opt_state = optimizer.init(params)
-  losses, window_losses = [], []
+  # Reads every_k and the state's counters once; then next() is Python arithmetic.
+  schedule = accum_jax.HostSchedule(opt_state)
+  windows, window_losses = [], []
   with tqdm(total=num_steps, desc="4 x 16 accumulated", disable=None) as bar:
     for batches in epoch_batches(orders, len(labels)):
       microbatches = [
@@ -151,19 +162,20 @@ def train_accumulated(params, data, orders, num_steps):
       ]
       for i, idx in enumerate(microbatches):
         # Close the epoch's last window even if it holds fewer than 4 microbatches; the
-        # update is then the mean over what it holds. `flush` is traced: no recompile.
-        flush = i == len(microbatches) - 1
-        params, opt_state, loss = train_step(
-            params, opt_state, images[idx], labels[idx], flush=flush
+        # update is then the mean over what it holds.
+        apply = schedule.next(last=i == len(microbatches) - 1)
+        params, opt_state, loss = accumulate_step(
+            params, opt_state, images[idx], labels[idx], optimizer, apply
         )
-        window_losses.append(float(loss))
-        if accum_jax.has_updated(opt_state):
-          # Equal-sized microbatches: the mean of their losses is the loss of the batch.
-          losses.append(np.mean(window_losses))
+        window_losses.append(loss)
+        if apply:
+          windows.append(window_losses)
           window_losses = []
           bar.update()
-  assert not window_losses, "every window should have ended in an update"
-  assert int(accum_jax.optimizer_step(opt_state)) == len(losses)
+  assert not window_losses, "every window should have ended with apply=True"
+  assert int(accum_jax.optimizer_step(opt_state)) == len(windows), "a window was skipped"
+  # Equal-sized microbatches: the mean of their losses is the loss of the batch.
+  losses = [np.mean(jax.device_get(window)) for window in windows]
   return params, np.array(losses)
 
 

@@ -4,7 +4,8 @@ A small Linen CNN with BatchNorm and Dropout learns the 8x8 digits of scikit-lea
 (no download) in a ``TrainState`` whose optimizer is
 ``accum_jax.accumulate(optax.adam(...), every_k=4)``: one jitted call per
 microbatch of 32, one Adam update per 4 calls. Each call passes its number of
-examples as ``weight``.
+examples as ``weight``, and ``apply`` from ``accum_jax.HostSchedule(state)``: static
+in the jitted step, so the calls that only add compile to the gradient and one add.
 
 The training runs twice over the same data:
 
@@ -17,8 +18,10 @@ The checkpoint is the whole ``TrainState``: the parameters, BatchNorm's
 statistics, the call counter and the ``accumulate`` state (the window's
 gradient sum and weight, the update count, Adam's moments). Orbax restores it
 against an abstract state from ``jax.eval_shape``, which gives back the
-``TrainState`` class and the ``AccumulationState`` named tuple. The final
-parameters of (a) and (b) are then equal bit for bit.
+``TrainState`` class and the ``AccumulationState`` named tuple. The loop's
+``HostSchedule`` is not in the checkpoint: (b) makes a new one from the restored
+state, which reads where the window stopped. The final parameters of (a) and (b)
+are then equal bit for bit.
 
   python examples/resume.py            # 4 epochs, about 10 s on a laptop CPU
   python examples/resume.py --quick    # one epoch, a smoke test
@@ -27,6 +30,7 @@ parameters of (a) and (b) are then equal bit for bit.
 from __future__ import annotations
 
 import argparse
+import functools
 import tempfile
 import time
 from pathlib import Path
@@ -100,24 +104,29 @@ def loss_fn(params, batch_stats, images, labels, dropout_key):
   return loss, updates["batch_stats"]
 
 
-@jax.jit
-def train_step(state: TrainState, images, labels, key):
+@functools.partial(jax.jit, static_argnames="apply")
+def train_step(state: TrainState, images, labels, key, apply: bool):
   # The dropout key follows the call counter, which the checkpoint holds.
   dropout_key = jax.random.fold_in(key, state.step)
   (loss, batch_stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(
       state.params, state.batch_stats, images, labels, dropout_key
   )
-  # TrainState.apply_gradients would not pass `weight` on to accumulate().
-  state = accum_jax.flax.apply_gradients(state, grads=grads, weight=labels.shape[0])
+  # TrainState.apply_gradients would not pass `weight` and `apply` on to accumulate().
+  state = accum_jax.flax.apply_gradients(
+      state, grads=grads, weight=labels.shape[0], apply=apply
+  )
   return state.replace(batch_stats=batch_stats), loss
 
 
 def train(state: TrainState, data, calls: range, key) -> TrainState:
   """Makes calls number `calls` of the run: call c takes microbatch c."""
   images, labels, microbatches = data
+  # Made from the state it starts from, new or restored: it reads every_k and where
+  # the window stands, once; then next() is Python arithmetic.
+  schedule = accum_jax.HostSchedule(state)
   for call in calls:
     idx = microbatches[call]
-    state, _ = train_step(state, images[idx], labels[idx], key)
+    state, _ = train_step(state, images[idx], labels[idx], key, schedule.next())
   return state
 
 
