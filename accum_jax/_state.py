@@ -14,8 +14,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from accum_jax import _core
-from accum_jax._schedules import WindowSchedule
+from accum_jax import _core, _schedules
 
 
 class AccumulationState(NamedTuple):
@@ -49,7 +48,7 @@ class AccumulationState(NamedTuple):
   noise_ema: Any = ()  # NoiseScaleEMA, with a noise_scale_every_k schedule
   window_length: Any = ()  # shape=(), int32: k of the current window, likewise
   # The every_k given to accumulate, as static data (no leaf): HostSchedule reads it.
-  every_k: WindowSchedule = WindowSchedule(None)
+  every_k: _schedules.WindowSchedule = _schedules.WindowSchedule(None)
 
   @property
   def mini_step(self) -> jax.Array:
