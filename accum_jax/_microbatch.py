@@ -653,7 +653,8 @@ def value_and_grad(
     rng_argnums: argument(s) holding PRNG keys, folded with each microbatch's index.
     state_argnums: an argument threaded through the microbatches (BatchNorm).
     aux_reduction: how each aux leaf combines ("mean", "sum", "max", "last",
-      "concat", "stack", or a pytree prefix of them).
+      "concat", "stack", or a pytree prefix of them); None: "mean", whatever
+      the leaf's shape, so per-example outputs need "concat".
     reduction: how each gradient leaf combines ("mean", "sum", "max", "last",
       a pytree prefix, or a callable); see :doc:`/guides/leaf_reductions`.
     accumulator_dtype: the sums' dtype (float32; None: the gradients' own).

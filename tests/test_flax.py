@@ -305,7 +305,7 @@ def _mnist_metrics() -> nnx.MultiMetric:
 
 
 _mnist_value_and_grad = accum_jax.flax.nnx_value_and_grad(
-    mnist_loss, NUM_MICROBATCHES, has_aux=True
+    mnist_loss, NUM_MICROBATCHES, has_aux=True, aux_reduction="concat"
 )
 
 
@@ -475,7 +475,8 @@ def test_nnx_grad_returns_grads_and_aux_like_nnx_grad():
   x, y = batch["x"], jax.nn.one_hot(batch["y"], 3)
   grad_fn = nnx.jit(
       accum_jax.flax.nnx_grad(
-          _linear_loss, NUM_MICROBATCHES, has_aux=True, return_info=True
+          _linear_loss, NUM_MICROBATCHES, has_aux=True, aux_reduction="concat",
+          return_info=True
       )
   )
   (grads, predictions), info = grad_fn(model, x, y)
