@@ -618,6 +618,7 @@ def _gradients_only(grads: Any, shapes: _trace.Shapes) -> Any:
   return grads if shapes.grad_kinds is None else _core.gradient_leaves(grads, shapes.grad_kinds)
 
 
+@_options.takes_options("value_and_grad")
 def value_and_grad(
     fun: Callable[..., Any],
     num_microbatches: int,
@@ -711,6 +712,7 @@ def of_call(call: _call.Call) -> Any:
   return _finalise(sums, call)
 
 
+@_options.takes_options("grad", options_of=value_and_grad)
 def grad(fun: Callable[..., Any], num_microbatches: int, **options: Any) -> Callable[..., Any]:
   """``jax.grad`` over microbatches; the options of :func:`value_and_grad`.
 
