@@ -618,6 +618,7 @@ def _gradients_only(grads: Any, shapes: _trace.Shapes) -> Any:
   return grads if shapes.grad_kinds is None else _core.gradient_leaves(grads, shapes.grad_kinds)
 
 
+@_options.takes_options("value_and_grad")
 def value_and_grad(
     fun: Callable[..., Any],
     num_microbatches: int,
@@ -653,7 +654,8 @@ def value_and_grad(
     rng_argnums: argument(s) holding PRNG keys, folded with each microbatch's index.
     state_argnums: an argument threaded through the microbatches (BatchNorm).
     aux_reduction: how each aux leaf combines ("mean", "sum", "max", "last",
-      "concat", "stack", or a pytree prefix of them).
+      "concat", "stack", or a pytree prefix of them); None: "mean", whatever
+      the leaf's shape, so per-example outputs need "concat".
     reduction: how each gradient leaf combines ("mean", "sum", "max", "last",
       a pytree prefix, or a callable); see :doc:`/guides/leaf_reductions`.
     accumulator_dtype: the sums' dtype (float32; None: the gradients' own).
@@ -710,6 +712,7 @@ def of_call(call: _call.Call) -> Any:
   return _finalise(sums, call)
 
 
+@_options.takes_options("grad", options_of=value_and_grad)
 def grad(fun: Callable[..., Any], num_microbatches: int, **options: Any) -> Callable[..., Any]:
   """``jax.grad`` over microbatches; the options of :func:`value_and_grad`.
 

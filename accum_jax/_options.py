@@ -5,14 +5,22 @@ returns an :class:`Options`, with the helpers that name the arguments' roles
 (``argnums``, ``batch_argnums``, ...). ``_call.bind`` resolves one call's
 arguments against them. The planner, the parity checker and the framework front
 ends use the same options, so an option means one thing everywhere.
+
+:func:`takes_options` decorates each public function that takes them: its
+signature lists every option it takes, and a keyword it does not take (a
+retired one, a misspelling, one it refuses) gets one answer, from
+:func:`check_keywords`, that names the fix.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import functools
+import inspect
 import numbers
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal, NamedTuple
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Any, Literal, NamedTuple, TypeVar, cast
 
 import jax
 import jax.extend
@@ -29,6 +37,8 @@ AUX_REDUCTIONS: tuple[str, ...] = ("mean", "sum", "max", "last", "stack", "conca
 # value, which TrainState.apply_gradients writes over the old. Over microbatches
 # the whole batch's is the maximum of the microbatches' (see grad_reductions).
 OVERWRITE_WITH_GRADIENT = "_overwrite_with_gradient"
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 class Options(NamedTuple):
@@ -170,30 +180,126 @@ DEFAULTS: dict[str, Any] = {
     "gradient_noise": False,
 }
 
-# Options that were renamed or grouped, and what to pass instead.
-_MOVED = {
-    "grad_reduction": "pass reduction= instead",
-    "pad_batch": (
-        "pad the batch to a multiple of num_microbatches yourself, with rows that"
-        " weight_fn weighs zero"
-    ),
-    **{name: f"pass data_parallel=accum_jax.DataParallel({name}=...)" for name in (
-        "mesh", "data_axis", "param_sharding", "gather", "gather_dtype", "reduce_dtype", "split")},
-}
+# The options that were renamed, grouped or dropped, and what replaces each.
+_RENAMED = {"grad_reduction": "reduction"}
+_DATA_PARALLEL_FIELDS = (
+    "mesh", "data_axis", "param_sharding", "gather", "gather_dtype", "reduce_dtype", "split")
+_PAD_BATCH_FIX = (
+    "pad the batch to a multiple of num_microbatches yourself (np.pad), with rows that"
+    " weight_fn weighs zero, e.g. a mask in the batch and"
+    " weight_fn=lambda batch: batch['mask'].sum()"
+)
+RETIRED: tuple[str, ...] = (*_RENAMED, "pad_batch", *_DATA_PARALLEL_FIELDS)
 
 
-def _check_names(caller: str, given: Mapping[str, Any], refused: Mapping[str, str]) -> None:
-  """ValueError for an option ``caller`` does not take: refused, moved or unknown."""
-  for name, value in given.items():
-    if name in refused:
-      raise ValueError(f"{caller} does not take {name}={value!r}: {refused[name]}")
-    if name in _MOVED:
-      raise ValueError(f"{caller} takes no {name}=: {_MOVED[name]}.")
-    if name not in DEFAULTS:
-      raise ValueError(
-          f"{caller} got an unknown option {name}={value!r}; its options are"
-          f" {sorted(set(DEFAULTS) - set(refused))}."
-      )
+def _shown(value: Any) -> str:
+  """``value`` as a message shows it: its repr where that is short, else ``...``."""
+  text = repr(value)
+  return text if len(text) <= 32 and not text.startswith("<") else "..."
+
+
+def _retired(caller: str, name: str, given: Mapping[str, Any], refused: Mapping[str, str]) -> str:
+  """The message for a retired option: what replaces it, with the value given."""
+  value = _shown(given[name])
+  if name in _RENAMED:
+    new = _RENAMED[name]
+    if new in refused:
+      return f"{caller} takes no {name}= (now {new}=), nor {new}=: {refused[new]}"
+    return f"{caller} takes no {name}=: pass {new}={value} instead (renamed, as in accumulate)."
+  if name == "pad_batch":
+    return f"{caller} takes no pad_batch=: {_PAD_BATCH_FIX}."
+  grouped = [n for n in _DATA_PARALLEL_FIELDS if n in given]
+  fields = ", ".join(f"{n}={_shown(given[n])}" for n in grouped)
+  if "data_parallel" in given:  # add them to the one given
+    fields = f"..., {fields}"
+  what = (
+      ": the order of rows in the microbatches, with or without a mesh" if grouped == ["split"]
+      else ""
+  )
+  names = " or ".join(f"{n}=" for n in grouped)
+  return f"{caller} takes no {names}: pass data_parallel=accum_jax.DataParallel({fields}){what}."
+
+
+def check_keywords(
+    caller: str, given: Mapping[str, Any], accepted: Collection[str],
+    refused: Mapping[str, str] | None = None, listed: Sequence[str] | None = None,
+) -> None:
+  """ValueError naming the fix for a keyword in ``given`` that ``caller`` does not
+  take (it takes ``accepted``; ``listed`` are the options a message lists):
+  why a ``refused`` one means nothing there, what replaced a retired one, or
+  which option a misspelt one is close to."""
+  refused = refused or {}
+  unknown = [name for name in given if name not in accepted]
+  if not unknown:
+    return
+  name = unknown[0]
+  value = _shown(given[name])
+  if name in refused:
+    raise ValueError(f"{caller} does not take {name}={value}: {refused[name]}")
+  if name in RETIRED:
+    raise ValueError(_retired(caller, name, given, refused))
+  options = sorted(listed if listed is not None else accepted)
+  close = difflib.get_close_matches(name, accepted, n=1, cutoff=0.8)
+  if close:
+    raise ValueError(
+        f"{caller} got an unknown option {name}={value}: did you mean {close[0]}={value}?"
+        f" Its options are {options}."
+    )
+  raise ValueError(f"{caller} got an unknown option {name}={value}; its options are {options}.")
+
+
+_KEYWORD = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+
+
+def _signature(
+    fun: Callable[..., Any], options_of: Callable[..., Any] | None, refused: Mapping[str, str]
+) -> inspect.Signature:
+  """``fun``'s signature, its ``**options`` (if ``options_of`` is given) replaced by
+  the keyword-only options of ``options_of`` that ``fun`` neither names nor refuses."""
+  signature = inspect.signature(fun)
+  if options_of is None:
+    return signature
+  own = [p for p in signature.parameters.values() if p.kind is not p.VAR_KEYWORD]
+  taken = {p.name for p in own} | set(refused)
+  added = [
+      p for p in inspect.signature(options_of).parameters.values()
+      if p.kind is p.KEYWORD_ONLY and p.name not in taken
+  ]
+  return signature.replace(parameters=[*own, *added])
+
+
+def takes_options(
+    caller: str, *, options_of: Callable[..., Any] | None = None,
+    refused: Mapping[str, str] | None = None, shown: bool = True,
+) -> Callable[[F], F]:
+  """Decorates a public function that takes ``value_and_grad``'s options.
+
+  A keyword it does not take is refused by :func:`check_keywords`, with the fix,
+  before Python binds the arguments (so that a misspelt ``num_microbatches`` is
+  named as such). With ``options_of``, the function's ``**options`` stand for
+  the keyword-only options of ``options_of`` that it neither names nor refuses:
+  no other keyword gets through, and (unless ``shown`` is False) they are written
+  into its ``__signature__``, which ``help()``, ``inspect`` and the API reference
+  read.
+  """
+
+  def decorate(fun: F) -> F:
+    refusing = refused or {}
+    signature = _signature(fun, options_of, refusing)
+    params = signature.parameters.values()
+    accepted = {p.name for p in params if p.kind in _KEYWORD}
+    listed = [p.name for p in params if p.kind is p.KEYWORD_ONLY]
+
+    @functools.wraps(fun)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+      check_keywords(caller, kwargs, accepted, refusing, listed)
+      return fun(*args, **kwargs)
+
+    if shown:
+      checked.__signature__ = signature  # type: ignore[attr-defined]
+    return cast(F, checked)
+
+  return decorate
 
 
 def _data_parallel(value: Any) -> DataParallel:
@@ -217,7 +323,8 @@ def make(
   """Checks the options of ``value_and_grad`` (or of ``caller``, which refuses
   ``refused``: name -> why, with the fix), when the function is built; raises a
   ValueError naming the bad one."""
-  _check_names(caller, given, refused or {})
+  refused = refused or {}
+  check_keywords(caller, given, set(DEFAULTS) - set(refused), refused)
   o = {**DEFAULTS, **given}
   if (n := _core.positive_int(num_microbatches)) is None:
     raise ValueError(

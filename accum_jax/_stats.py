@@ -170,6 +170,9 @@ _WHY = (
 _REFUSED = {"state_argnums": _WHY, "gradient_noise": _WHY, "reduction": _WHY}
 
 
+@_options.takes_options(
+    "stats_value_and_grad", options_of=_microbatch.value_and_grad, refused=_REFUSED
+)
 def stats_value_and_grad(
     fun: Callable[..., Any],
     stats_loss: Callable[[Any], jax.typing.ArrayLike],

@@ -247,21 +247,23 @@ def trace(
 
 
 def _aux_reductions(aux: Any, spec: Any, rows: int) -> tuple[str, ...]:
-  """How each aux leaf is reduced (``spec``: ``aux_reduction``, maybe per leaf). By
-  default a leaf with a leading axis of the microbatch's rows is per-example
-  (concatenated); any other is averaged."""
+  """How each aux leaf is reduced (``spec``: ``aux_reduction``, maybe per leaf).
+
+  A leaf that ``spec`` leaves at None is averaged, whatever its shape: a default
+  that guessed from shapes (a leading axis of the microbatch's rows read as per
+  example) would change what the step returns with ``num_microbatches``. Per-example
+  outputs come back in batch order where ``"concat"`` asks for them."""
   reductions = []
   given = _options.per_leaf_spec(_completed(spec, aux), aux, "aux_reduction", "the aux")
   for (path, leaf), (requested, _) in zip(jax.tree.leaves_with_path(aux), given):
-    per_example = len(leaf.shape) >= 1 and leaf.shape[0] == rows
-    if requested == "concat" and not per_example:
+    if requested == "concat" and not (len(leaf.shape) >= 1 and leaf.shape[0] == rows):
       raise ValueError(
           f"aux_reduction='concat' returns per-example outputs in batch order, but aux"
           f" leaf {jax.tree_util.keystr(path) or '(the aux)'} has shape {leaf.shape}, with"
           f" no leading axis of the microbatch's {rows} rows. Return one row per example,"
           " or reduce it with aux_reduction='mean' or 'sum'."
       )
-    reductions.append(requested or ("concat" if per_example else "mean"))
+    reductions.append(requested or "mean")
   return tuple(reductions)
 
 

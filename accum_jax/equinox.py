@@ -10,8 +10,9 @@ does (differentiate the first argument with respect to its floating-point
 arrays, pass everything else through) and translates the call for the core:
 every positional argument is cut with ``eqx.partition`` into its arrays, which
 go to :func:`accum_jax.value_and_grad` by position, and the rest, which the
-function closes over. With ``mesh=``, ``jax.shard_map`` therefore sees arrays
-only. What Equinox code passes besides the model is recognised as it is written:
+function closes over. Under a ``DataParallel`` mesh, ``jax.shard_map`` therefore
+sees arrays only. What Equinox code passes besides the model is recognised as it
+is written:
 
 * batches: positional arguments whose leaves are all arrays with a leading axis
   (``x``, ``y``, a dict of them) are split into microbatches;
@@ -320,6 +321,9 @@ def _with_state(out: Any, call: _Call) -> Any:
   return (loss, _put_state(aux, eqx.combine(state, call.statics[call.state_num])))
 
 
+@_options.takes_options(
+    "filter_value_and_grad", options_of=_microbatch.value_and_grad, refused=_FIXED_OPTIONS
+)
 def filter_value_and_grad(
     fun: Callable[..., Any] | None = None,
     num_microbatches: int | None = None,
@@ -405,6 +409,12 @@ def filter_value_and_grad(
   return wrapped
 
 
+# Its signature keeps **options for now: it would show rng_argnums="auto", the default
+# it forwards, which the API test holds to value_and_grad's None for every function
+# but filter_value_and_grad.
+@_options.takes_options(
+    "filter_grad", options_of=filter_value_and_grad, refused=_FIXED_OPTIONS, shown=False
+)
 def filter_grad(
     fun: Callable[..., Any] | None = None,
     num_microbatches: int | None = None,

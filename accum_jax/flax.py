@@ -350,7 +350,8 @@ def _is_spec(x: Any) -> bool:
 
 
 def _mesh_axes(core: dict[str, Any]) -> tuple[str, ...]:
-  """The axis names of the mesh the core door runs on: ``mesh=``, else the ambient one."""
+  """The axis names of the mesh the core door runs on: its ``DataParallel``'s, else the
+  ambient one."""
   mesh = core["data_parallel"].mesh
   if mesh is None:
     mesh = jax.sharding.get_abstract_mesh()
@@ -458,6 +459,9 @@ def _core_param_sharding(parsed: _Parsed, call: _Call, nodes: _Nodes) -> Any:
   return ((node_specs,) if nodes.diff else ()) + plain
 
 
+@_options.takes_options(
+    "nnx_value_and_grad", options_of=_microbatch.value_and_grad, refused=_REFUSED
+)
 def nnx_value_and_grad(
     fun: Callable[..., Any],
     num_microbatches: int,
@@ -492,9 +496,10 @@ def nnx_value_and_grad(
       arrays with a leading axis.
     rng_argnums: arguments holding a raw PRNG key to fold the microbatch index
       into. An ``nnx.Rngs`` needs none.
-    **options: other options of :func:`accum_jax.value_and_grad`, such as
-      ``weight_fn``, ``aux_reduction``, ``accumulator_dtype``, ``return_info``,
-      ``mesh``. Under a mesh, ``param_sharding`` defaults to the Variables'
+    **options: the other options of :func:`accum_jax.value_and_grad` but
+      ``state_argnums`` (the signature lists them), such as ``weight_fn``,
+      ``aux_reduction``, ``return_info``, ``data_parallel``. Under a mesh, the
+      ``DataParallel``'s ``param_sharding`` defaults to the Variables'
       sharding metadata (``nnx.with_partitioning``: a tuple of axis names, a
       ``PartitionSpec``, a ``NamedSharding``, or logical names mapped by
       ``sharding_rules`` or ``nnx.logical_axis_rules``), so annotated parameters
@@ -547,6 +552,7 @@ def nnx_value_and_grad(
   return wrapped
 
 
+@_options.takes_options("nnx_grad", options_of=nnx_value_and_grad, refused=_REFUSED)
 def nnx_grad(
     fun: Callable[..., Any],
     num_microbatches: int,

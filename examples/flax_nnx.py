@@ -24,8 +24,9 @@ With ``--door value_and_grad`` each call takes a whole batch of 128 instead, and
 ``accum_jax.flax.nnx_value_and_grad`` scans over its 4 microbatches inside the
 call, threading the state of the model (BatchNorm statistics) and of the
 ``nnx.Rngs`` argument (its count, so each microbatch draws new dropout keys)
-through them; the logits come back as (128, 10) for the metrics, and AdamW
-updates once per call. One line guards it against a bad batch::
+through them; the logits come back as (128, 10) for the metrics
+(``aux_reduction="concat"``), and AdamW updates once per call. One line guards
+it against a bad batch::
 
   nnx.Optimizer(model, optax.apply_if_finite(optax.adamw(...), 5), wrt=nnx.Param)
 
@@ -122,9 +123,10 @@ def train_step(model, optimizer, metrics, rngs, batch, apply):
 
 
 # The same loss_fn and call as nnx.value_and_grad; model and rngs are threaded
-# through the microbatches, the batch (the only array argument) is split.
+# through the microbatches, the batch (the only array argument) is split, and the
+# logits come back per example, in batch order ("concat"; the default averages).
 microbatched_grad_fn = accum_jax.flax.nnx_value_and_grad(
-    loss_fn, num_microbatches=EVERY_K, has_aux=True
+    loss_fn, num_microbatches=EVERY_K, has_aux=True, aux_reduction="concat"
 )
 
 

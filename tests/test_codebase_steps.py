@@ -65,7 +65,8 @@ def maxtext_loss(params, batch, key, *, rate=0.25):
   return loss, aux
 
 
-MAXTEXT_REDUCTIONS = {"total_loss": "sum", "total_weights": "sum", "max_token_loss": "max"}
+MAXTEXT_REDUCTIONS = {"total_loss": "sum", "total_weights": "sum", "max_token_loss": "max",
+                      "xent_per_row": "concat"}
 
 
 def maxtext_scan(params, batch, key, rate=0.25):
@@ -204,9 +205,9 @@ def test_an_aux_reduction_mapping_naming_some_keys_leaves_the_others_at_the_defa
 
   w, x = jnp.ones(3), jnp.asarray(normal(0, (B, 3)))
   (_, aux), _ = jax.jit(accum_jax.value_and_grad(
-      loss, N, has_aux=True, aux_reduction={"total": "sum"}))(w, x)
+      loss, N, has_aux=True, aux_reduction={"total": "sum", "rows": "concat"}))(w, x)
   _, full = loss(w, x)
-  tree_allclose(aux, full)  # "sum", then the defaults: the mean, the rows concatenated
+  tree_allclose(aux, full)  # "sum" and "concat" as named, then the default: the mean
   with pytest.raises(ValueError, match=re.escape("aux_reduction names 'totl', which the aux")):
     accum_jax.value_and_grad(loss, N, has_aux=True, aux_reduction={"totl": "sum"})(w, x)
 

@@ -87,7 +87,7 @@ def loss_fn(params, batch):
       "logits": h,  # per example: "concat"
       "peak": jnp.max(h),  # "max"
       "seen": batch["x"][0, 0],  # "last"
-      "rows": jnp.sum(h, axis=1),  # per example, reduction left to the default
+      "rows": jnp.sum(h, axis=1),  # per example, left to the default: "mean" all the same
   }
   return loss, aux
 
@@ -141,7 +141,9 @@ def references(kept: tuple[int, ...] = KEPT) -> dict[str, Any]:
           "logits": logits,
           "peak": max(per[i][1]["peak"] for i in kept),
           "seen": per[last][1]["seen"],
-          "rows": jnp.sum(logits, axis=1),
+          # The default never concatenates: a mean of the microbatches' rows, as the loss.
+          "rows": sum(float(weight_fn(_microbatch(batch, i))) * per[i][1]["rows"]
+                      for i in kept) / tokens,
       },
   }
 

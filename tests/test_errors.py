@@ -10,6 +10,8 @@ docs and the code cannot drift apart. The row's "test" cell is its test id here
 
 from __future__ import annotations
 
+import inspect
+import pydoc
 import re
 import warnings
 from collections.abc import Callable
@@ -262,9 +264,10 @@ TRIGGERS: dict[str, Callable[[], object]] = {
         reduction="last",
     )(jnp.ones(8), jnp.ones((8, 8))),
     "`split` is unknown": lambda: _vg(data_parallel=accum_jax.DataParallel(split="rows")),
-    "an option that was renamed or grouped (`grad_reduction`, `pad_batch`, `mesh`, ...)": (
+    "an option that was renamed or grouped (`grad_reduction`, `pad_batch`, `mesh`, `split`, ...)": (
         lambda: accum_jax.grad(_loss, 2, mesh=_mesh())),
-    "an unknown option": lambda: accum_jax.grad(_loss, 2, num_micro_batches=2),
+    "a misspelt option (`num_micro_batches`)": lambda: accum_jax.grad(_loss, num_micro_batches=2),
+    "an unknown option": lambda: accum_jax.grad(_loss, 2, bogus=2),
     "`state_argnums` without `has_aux=True`": lambda: _vg(state_argnums=2),
     "an `argnums`-like option names an argument that was not passed": lambda: _vg(argnums=2)(
         W, jnp.ones((4, 3))
@@ -538,3 +541,111 @@ def test_a_loss_that_is_not_a_scalar_gets_the_value_error_of_accum_jax_not_jax_t
   for options in ({}, {"data_parallel": accum_jax.DataParallel(_mesh())}):
     with pytest.raises(ValueError, match=re.escape("fun must return a scalar loss")):
       accum_jax.value_and_grad(per_example_loss, 2, **options)(W, jnp.ones((16, 3)))
+
+
+# ---------------------------------------------------------------------------
+# Keywords: every inside-step function shows the options it takes, and answers a
+# retired or misspelt one with the fix (when it is built: nothing is traced).
+
+INSIDE_STEP = {
+    "value_and_grad": lambda *n, **o: accum_jax.value_and_grad(_loss, *n, **o),
+    "grad": lambda *n, **o: accum_jax.grad(_loss, *n, **o),
+    "cached_value_and_grad": lambda *n, **o: accum_jax.cached_value_and_grad(
+        lambda w, b: b * w, lambda w, e, b: jnp.sum(e), *n, **o),
+    "stats_value_and_grad": lambda *n, **o: accum_jax.stats_value_and_grad(
+        lambda w, b: (_loss(w, b), jnp.mean(b)), jnp.sum, *n, **o),
+    "nnx_value_and_grad": lambda *n, **o: accum_jax.flax.nnx_value_and_grad(
+        lambda m, x: jnp.sum(x), *n, **o),
+    "nnx_grad": lambda *n, **o: accum_jax.flax.nnx_grad(lambda m, x: jnp.sum(x), *n, **o),
+    "filter_value_and_grad": lambda *n, **o: accum_jax.equinox.filter_value_and_grad(
+        lambda m, x: jnp.sum(x), *n, **o),
+    "filter_grad": lambda *n, **o: accum_jax.equinox.filter_grad(
+        lambda m, x: jnp.sum(x), *n, **o),
+}
+
+# The options of value_and_grad that each leaves out, refusing them with the reason.
+LEFT_OUT = {
+    "value_and_grad": set(),
+    "grad": set(),
+    "cached_value_and_grad": {"weight_fn", "state_argnums", "aux_reduction", "gradient_noise",
+                              "reduction", "gradient_dtype"},
+    "stats_value_and_grad": {"state_argnums", "gradient_noise", "reduction"},
+    "nnx_value_and_grad": {"state_argnums"},
+    "nnx_grad": {"state_argnums"},
+    "filter_value_and_grad": {"argnums", "state_argnums"},
+    "filter_grad": {"argnums", "state_argnums"},
+}
+
+# A keyword each might be given, with the message's words after the function's name.
+KEYWORDS = {
+    "grad_reduction": ({"grad_reduction": "sum"},
+                       "takes no grad_reduction=: pass reduction='sum' instead"),
+    "mesh": ({"mesh": "mesh"}, "takes no mesh=: pass data_parallel=accum_jax.DataParallel(mesh="),
+    "mesh and data_axis": (
+        {"mesh": "mesh", "data_axis": "data"},
+        "takes no mesh= or data_axis=: pass"
+        " data_parallel=accum_jax.DataParallel(mesh=..., data_axis='data')"),
+    "split": ({"split": "strided"},
+              "takes no split=: pass data_parallel=accum_jax.DataParallel(split='strided'): the"
+              " order of rows in the microbatches, with or without a mesh"),
+    "pad_batch": ({"pad_batch": True},
+                  "takes no pad_batch=: pad the batch to a multiple of num_microbatches yourself"),
+    "num_micro_batches": ({"num_micro_batches": 4},
+                          "got an unknown option num_micro_batches=4: did you mean"
+                          " num_microbatches=4?"),
+}
+
+
+def _inside_step_function(name):
+  import accum_jax.equinox
+  import accum_jax.flax
+
+  return {
+      "value_and_grad": accum_jax.value_and_grad, "grad": accum_jax.grad,
+      "cached_value_and_grad": accum_jax.cached_value_and_grad,
+      "stats_value_and_grad": accum_jax.stats_value_and_grad,
+      "nnx_value_and_grad": accum_jax.flax.nnx_value_and_grad, "nnx_grad": accum_jax.flax.nnx_grad,
+      "filter_value_and_grad": accum_jax.equinox.filter_value_and_grad,
+      "filter_grad": accum_jax.equinox.filter_grad,
+  }[name]
+
+
+@pytest.mark.parametrize("keyword", list(KEYWORDS))
+@pytest.mark.parametrize("door", list(INSIDE_STEP))
+def test_a_retired_or_misspelt_keyword_is_answered_with_the_fix(door, keyword):
+  _inside_step_function(door)  # imports its module
+  given, expected = KEYWORDS[keyword]
+  given = {name: _mesh() if value == "mesh" else value for name, value in given.items()}
+  if keyword == "grad_reduction" and "reduction" in LEFT_OUT[door]:
+    expected = "takes no grad_reduction= (now reduction=), nor reduction=: "
+  # The misspelt one stands for num_microbatches, which is not given besides.
+  n = () if keyword == "num_micro_batches" else (2,)
+  with pytest.raises(ValueError, match="^" + re.escape(f"{door} {expected}")):
+    INSIDE_STEP[door](*n, **given)
+
+
+@pytest.mark.parametrize("door", [
+    pytest.param(door, marks=pytest.mark.xfail(strict=True, reason=(
+        "filter_grad's signature would show rng_argnums='auto', which tests/test_api.py"
+        " expects of filter_value_and_grad alone"))) if door == "filter_grad" else door
+    for door in INSIDE_STEP
+])
+def test_each_inside_step_function_shows_value_and_grads_options_in_its_signature(door):
+  fun = _inside_step_function(door)
+  options = {
+      name: p for name, p in inspect.signature(accum_jax.value_and_grad).parameters.items()
+      if p.kind is p.KEYWORD_ONLY
+  }
+  parameters = inspect.signature(fun).parameters
+  assert not [p for p in parameters.values() if p.kind is p.VAR_KEYWORD], parameters
+  shown = {name: p for name, p in parameters.items() if name in options}
+  assert set(shown) == set(options) - LEFT_OUT[door]
+  for name, p in shown.items():
+    assert p.kind is p.KEYWORD_ONLY, name
+    default = "auto" if (door.startswith("filter"), name) == (True, "rng_argnums") else (
+        options[name].default)
+    assert p.default == default, (name, p.default, default)
+  assert "skip_nonfinite" in pydoc.render_doc(fun)  # what help() shows
+  for name in LEFT_OUT[door]:
+    with pytest.raises(ValueError, match="^" + re.escape(f"{door} does not take {name}=")):
+      INSIDE_STEP[door](2, **{name: options[name].default})

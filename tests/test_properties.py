@@ -396,3 +396,53 @@ def test_weighted_value_and_grad_equals_the_full_batch_token_mean_with_empty_mic
   _assert_close_by_dtype(grads, _as_float64(full_grads))
   assert int(info.num_skipped) == 0
   assert float(info.total_weight) == sum(mask)
+
+
+AUX_BATCH_SIZES = (8, 16)
+AUX_SPLITS = (1, 2, 4, 8)
+
+
+def _loss_with_aux_of_every_shape(num_classes: int) -> Callable[..., Any]:
+  """A loss whose aux holds a scalar, a per-class vector, a per-example vector and an
+  8 x 3 table (whose leading axis is, by coincidence, the size of a batch or a
+  microbatch of some splits)."""
+
+  def loss(w: jax.Array, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+    per_example = jnp.tanh(x @ w)
+    value = jnp.mean(per_example**2)
+    aux = {
+        "scalar": jnp.max(per_example),
+        "per_class": value * jnp.arange(num_classes, dtype=jnp.float32),
+        "per_example": per_example,
+        "table": jnp.outer(jnp.arange(8.0), w) * value,
+    }
+    return value, aux
+
+  return loss
+
+
+def _shapes(tree: Any) -> Any:
+  return jax.tree.map(lambda x: (x.shape, jnp.dtype(x.dtype)), tree)
+
+
+@PROPERTY_SETTINGS
+@example(batch_size=8, num_microbatches=2, num_classes=4)
+@example(batch_size=16, num_microbatches=2, num_classes=8)
+@given(
+    batch_size=st.sampled_from(AUX_BATCH_SIZES),
+    num_microbatches=st.sampled_from(AUX_SPLITS),
+    num_classes=st.sampled_from((1, 2, 4, 8, 16)),
+)
+def test_what_value_and_grad_returns_has_the_full_batchs_shapes_at_every_split(
+    batch_size, num_microbatches, num_classes
+):
+  # Shapes only: traced abstractly, nothing compiles. Only the leaf asked for
+  # "concat" comes back per example; every other leaf is averaged, whatever its shape.
+  loss = _loss_with_aux_of_every_shape(num_classes)
+  w = jax.ShapeDtypeStruct((3,), jnp.float32)
+  x = jax.ShapeDtypeStruct((batch_size, 3), jnp.float32)
+  vg = accum_jax.value_and_grad(
+      loss, num_microbatches, has_aux=True, aux_reduction={"per_example": "concat"}
+  )
+  full = jax.eval_shape(jax.value_and_grad(loss, has_aux=True), w, x)
+  assert _shapes(jax.eval_shape(vg, w, x)) == _shapes(full)
