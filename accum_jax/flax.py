@@ -5,8 +5,11 @@ This is the only module of accum_jax that imports flax; ``import accum_jax`` doe
 Most of Flax needs nothing from here:
 
 * ``nnx.Optimizer(model, accum_jax.accumulate(inner, every_k=4), wrt=nnx.Param)``
-  works as it is, and ``optimizer.update(model, grads, weight=..., flush=...)``
-  forwards the keyword arguments to :func:`accum_jax.accumulate`.
+  works as it is, and ``optimizer.update(model, grads, weight=..., apply=...)``
+  forwards the keyword arguments to :func:`accum_jax.accumulate`. ``apply``, static
+  in ``nnx.jit(..., static_argnames="apply")``, is ``schedule.next(last=...)`` of
+  ``schedule = accum_jax.HostSchedule(optimizer)``, made before the loop: a call
+  that only adds compiles to the gradient and one add.
 * A Linen ``TrainState`` holds an ``accumulate`` state like any Optax state, and
   :func:`accum_jax.value_and_grad` takes Linen's ``batch_stats`` through
   ``state_argnums`` and a dropout key through ``rng_argnums``.
@@ -55,7 +58,7 @@ def apply_gradients(state: TrainStateT, *, grads: Any, **update_kwargs: Any) -> 
   """``state.apply_gradients(grads=grads)``, passing ``update_kwargs`` to ``tx.update``.
 
   Flax's ``TrainState.apply_gradients`` reads its keyword arguments as fields
-  to replace, so ``weight`` and ``flush`` cannot reach
+  to replace, so ``weight`` and ``apply`` cannot reach
   :func:`accum_jax.accumulate` through it. This runs the same method (a
   subclass's override included) with ``state.tx.update`` given
   ``update_kwargs``. ``state.step`` still counts calls; the updates applied are
@@ -65,7 +68,7 @@ def apply_gradients(state: TrainStateT, *, grads: Any, **update_kwargs: Any) -> 
     state: a ``flax.training.train_state.TrainState``, or a subclass.
     grads: the gradients, as for ``TrainState.apply_gradients``.
     **update_kwargs: keyword arguments for ``state.tx.update``, such as
-      ``weight`` and ``flush``.
+      ``weight`` and ``apply``.
 
   Returns:
     The new state, of the same class and with the same ``tx``.
@@ -75,9 +78,11 @@ def apply_gradients(state: TrainStateT, *, grads: Any, **update_kwargs: Any) -> 
     >>> from flax.training.train_state import TrainState
     >>> state = TrainState.create(apply_fn=None, params={"w": jnp.zeros(2)},
     ...                           tx=accum_jax.accumulate(optax.sgd(1.0), every_k=4))
+    >>> schedule = accum_jax.HostSchedule(state)
     >>> for g, tokens in ((1.0, 3), (5.0, 1)):
     ...   state = accum_jax.flax.apply_gradients(
-    ...       state, grads={"w": jnp.full(2, g)}, weight=tokens, flush=g == 5.0)
+    ...       state, grads={"w": jnp.full(2, g)}, weight=tokens,
+    ...       apply=schedule.next(last=g == 5.0))
     >>> state.params["w"], int(state.step), int(accum_jax.optimizer_step(state))
     (Array([-2., -2.], dtype=float32), 2, 1)
   """
