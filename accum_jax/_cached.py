@@ -235,7 +235,7 @@ def _pull_back(
     grads = _sharding.scatter(devices.plan, pull(cotangent), acc.total)
     # Every term enters the sum: dropping one would bias the gradient silently;
     # a non-finite step is judged as a whole in _finalise.
-    acc, _ = _core.add(acc, grads, skip_nonfinite=False)
+    acc, _ = _core.add(acc, grads, refuse_nonfinite=False)
     return acc, None
 
   xs = (
@@ -254,13 +254,13 @@ def _finalise(options, args, loss: _Loss, acc: _core.Accumulator, devices) -> An
   Every device computed the same loss, so its direct gradient is added once (a
   sharded leaf's: this device's shard of it).
   """
-  acc, _ = _core.add(acc, devices.own_shards(loss.direct), skip_nonfinite=False)
+  acc, _ = _core.add(acc, devices.own_shards(loss.direct), refuse_nonfinite=False)
   diff = tuple(args[n] for n in options.argnums)
   grads = _core.result(acc, diff, "sum")
   value = loss.value
   num_chunks = options.num_microbatches * devices.num
   num_skipped = jnp.zeros((), jnp.int32)
-  if options.skip_nonfinite:
+  if options.checks_finite:
     # No chunk can be dropped from a batch-coupled loss: a non-finite loss or
     # gradient makes the whole step NaN, as on the full batch, and counted.
     finite = devices.agreed(jnp.isfinite(value) & _core.all_finite(grads))
@@ -342,7 +342,7 @@ def cached_value_and_grad(
     num_microbatches: the number of chunks, an int >= 1 dividing the batch.
     **options: the options of :func:`value_and_grad` that mean something here:
       ``argnums``, ``batch_argnums``, ``has_aux``, ``rng_argnums``,
-      ``accumulator_dtype``, ``skip_nonfinite`` (``"step"`` or False),
+      ``accumulator_dtype``, ``on_nonfinite`` (``"propagate"`` or ``"unchecked"``),
       ``data_parallel`` and ``return_info``.
 
   Returns:
@@ -369,9 +369,9 @@ def cached_value_and_grad(
   parsed = _options.make(
       num_microbatches, caller="cached_value_and_grad", refused=_REFUSED, **options
   )
-  if parsed.skip_nonfinite and not parsed.skip_step:
+  if parsed.on_nonfinite == "skip_microbatch":
     raise ValueError(
-        "cached_value_and_grad does not take skip_nonfinite='microbatch': no chunk of a"
+        "cached_value_and_grad does not take on_nonfinite='skip_microbatch': no chunk of a"
         " batch-coupled loss can be left out. Pass 'step' (the default) or False."
     )
 

@@ -360,6 +360,49 @@ def merge_statistics(
   ]
 
 
+# What both doors do with a NaN or Inf, one word per meaning (``on_nonfinite=``).
+# Inside a step, a microbatch is one slice of the batch; across calls, each call
+# adds one microbatch's gradient: skipping either drops that one and keeps the rest.
+NONFINITE: dict[str, str] = {
+    "propagate": "the step's gradient is NaN in every leaf, as the full batch's would be,"
+                 " for a gate such as optax.apply_if_finite to skip the step; info says"
+                 " which microbatches' losses failed (value_and_grad's default)",
+    "skip_microbatch": "a microbatch (a call, across calls) holding NaN or Inf is left"
+                       " out and counted; the others are kept",
+    "skip_window": "a window whose sum holds NaN or Inf is skipped whole when it is"
+                   " applied, its calls counted (accumulate's default)",
+    "unchecked": "nothing is checked: NaN or Inf flows where the arithmetic takes it",
+}
+# The values these replaced, and what each now is.
+_RETIRED_NONFINITE = {
+    "step": "propagate", "microbatch": "skip_microbatch", "call": "skip_microbatch",
+    "window": "skip_window", False: "unchecked",
+}
+
+
+def renamed_nonfinite(value: Any) -> str | None:
+  """The ``on_nonfinite`` value that replaced ``skip_nonfinite=value``, if one did."""
+  if isinstance(value, bool) and value:
+    return None
+  try:
+    return _RETIRED_NONFINITE.get(value)
+  except TypeError:  # unhashable
+    return None
+
+
+def check_on_nonfinite(value: Any, accepted: Sequence[str], caller: str) -> str:
+  """``value`` checked against the ``on_nonfinite`` values ``caller`` takes."""
+  if isinstance(value, str) and value in accepted:
+    return value
+  choices = "; ".join(f"{v!r}: {NONFINITE[v]}" for v in accepted)
+  if isinstance(value, str) and value in NONFINITE:
+    raise ValueError(f"{caller} does not take on_nonfinite={value!r}. It takes {choices}.")
+  new = renamed_nonfinite(value)
+  hint = f" on_nonfinite={new!r} is what {value!r} meant." if new in accepted else ""
+  raise ValueError(f"on_nonfinite={value!r} is not one of {tuple(accepted)}.{hint} {caller}"
+                   f" takes {choices}.")
+
+
 class Admission(NamedTuple):
   """What :func:`admit` decides about one pytree offered with a weight.
 
@@ -380,7 +423,7 @@ def admit(
     tree: Any,
     weight: jax.typing.ArrayLike | None = None,
     *,
-    skip_nonfinite: bool = True,
+    refuse_nonfinite: bool = True,
     accept: jax.typing.ArrayLike = True,
 ) -> Admission:
   """Decides whether ``tree`` of weight ``weight`` is added, skipped or neither.
@@ -388,7 +431,7 @@ def admit(
   Args:
     tree: the pytree offered (a gradient, or a loss and its gradient).
     weight: a non-negative scalar; None counts as 1.
-    skip_nonfinite: refuse a ``tree`` holding NaN or Inf (one reduction per
+    refuse_nonfinite: refuse a ``tree`` holding NaN or Inf (one reduction per
       leaf). When False, only ``accept`` and the weight are looked at.
     accept: a further condition (a bool scalar); where False, ``tree`` is
       skipped and counted like a non-finite one.
@@ -400,7 +443,7 @@ def admit(
   has_weight = w > 0
   # A negative or non-finite weight is bad data, refused like a NaN gradient.
   ok = jnp.asarray(accept, bool) & jnp.isfinite(w) & (w >= 0)
-  if skip_nonfinite:
+  if refuse_nonfinite:
     # A zero weight counts for nothing, even where its tree is NaN.
     ok = ok & (all_finite_packed(tree) | ~has_weight)
   return Admission(w, has_weight & ok, ~ok)
@@ -426,7 +469,7 @@ def add(
     tree: Any,
     weight: jax.typing.ArrayLike | None = None,
     *,
-    skip_nonfinite: bool = True,
+    refuse_nonfinite: bool = True,
     accept: jax.typing.ArrayLike = True,
     kinds: Any = None,
 ) -> tuple[Accumulator, jax.Array]:
@@ -437,7 +480,7 @@ def add(
     tree: a pytree with the structure of ``acc.total``.
     weight: a non-negative scalar; None counts as 1. A negative or non-finite
       weight is skipped and counted like a non-finite ``tree``.
-    skip_nonfinite: refuse (and count) a ``tree`` holding NaN or Inf. When
+    refuse_nonfinite: refuse (and count) a ``tree`` holding NaN or Inf. When
       False, it is added as it is.
     accept: a further condition (a bool scalar); where False, ``tree`` is
       skipped and counted like a non-finite one.
@@ -447,7 +490,7 @@ def add(
   Returns:
     The new accumulator, and whether ``tree`` was added (a bool scalar).
   """
-  admission = admit(tree, weight, skip_nonfinite=skip_nonfinite, accept=accept)
+  admission = admit(tree, weight, refuse_nonfinite=refuse_nonfinite, accept=accept)
   w, keep = admission.weight, admission.keep
   new_weight = acc.weight + jnp.where(keep, w, 0.0)
   # The new call's share of the window, for the running means of narrow leaves.

@@ -14,14 +14,14 @@ Data go one way: after ``bind``, the loop and the finalisation read the
 :class:`_call.Call` and call nothing above the modules they import.
 
 The loop is a ``lax.scan``: XLA knows its trip count, and nothing inside it makes
-a GPU wait on the host. By default (``skip_nonfinite="step"``) it adds every
+a GPU wait on the host. By default (``on_nonfinite="propagate"``) it adds every
 microbatch as the hand-written scan does (only a weight, for padding, selects),
 records whether each loss is finite, and one check of the sums after the loop
 finds a step that is not finite: its gradient comes back NaN, as the whole
 batch's would, for the optimizer's own skip (``optax.apply_if_finite``,
 ``accumulate``) or a loss scale to see, and the threaded state comes back as it
 went in. No conditional, one body.
-With ``skip_nonfinite="microbatch"`` it judges each microbatch by its loss; a
+With ``on_nonfinite="skip_microbatch"`` it judges each microbatch by its loss; a
 gradient that is NaN under a finite loss shows in the sums, and only then, under
 one conditional after the loop, does a recheck find which microbatches'
 gradients are not finite and redo the sums without them.
@@ -46,10 +46,10 @@ class MicrobatchInfo(NamedTuple):
 
   Attributes:
     num_skipped: microbatches left out; shape=(), dtype=int32. Those of a
-      negative or non-finite weight, and: with ``skip_nonfinite="step"`` (the
+      negative or non-finite weight, and: with ``on_nonfinite="propagate"`` (the
       default), every microbatch of the call (``num_microbatches`` times the
       devices of the data axes) when the step is skipped; with
-      ``"microbatch"``, those whose loss or gradient was not finite. With
+      ``"skip_microbatch"``, those whose loss or gradient was not finite. With
       dynamic loss scaling, a non-zero count is an overflow the scaler must see.
     total_weight: the sum of the kept microbatches' weights (their number when
       there is no ``weight_fn``); 0 when the step is skipped; shape=(),
@@ -58,10 +58,10 @@ class MicrobatchInfo(NamedTuple):
       estimated from the microbatches' gradients (per unit of weight; per
       example without ``weight_fn``); else None.
     step_skipped: whether the step was skipped, its gradient returned NaN:
-      because its summed loss or gradient was not finite (``"step"``), or
-      because no microbatch was kept (``"microbatch"``); shape=(), dtype=bool.
-      False with ``skip_nonfinite=False``.
-    loss_finite: with ``skip_nonfinite="step"``, whether each microbatch's loss
+      because its summed loss or gradient was not finite (``"propagate"``), or
+      because no microbatch was kept (``"skip_microbatch"``); shape=(), dtype=bool.
+      False with ``on_nonfinite="unchecked"``.
+    loss_finite: with ``on_nonfinite="propagate"``, whether each microbatch's loss
       was finite (zero-weight padding counts as finite); shape
       (num_microbatches,), or (devices x num_microbatches,) in device order
       under a mesh; dtype=bool. Else None.
@@ -231,7 +231,7 @@ def _by_loss(options, out: _trace.Out, weight, known_bad) -> jax.Array:
   """Whether a microbatch is acceptable by its loss (and what an earlier pass
   found), before any pass over its gradient: known early, so that it can zero
   the gradient before anything crosses devices."""
-  if not options.skip_nonfinite:
+  if not options.checks_finite:
     return jnp.array(True)
   # A zero weight counts for nothing, even with a NaN loss.
   zero = False if weight is None else weight == 0
@@ -242,7 +242,7 @@ def _agreed(dev: _Device, *flags: jax.Array) -> tuple[jax.Array, ...]:
   """``flags`` agreed over the data axes where gradients are reduce-scattered per
   microbatch (a shard holds every device's share: all keep it or none does);
   one all-reduce of a few scalars. As they are elsewhere."""
-  if dev.plan is None or not dev.plan.scatters_per_microbatch or not dev.options.skip_nonfinite:
+  if dev.plan is None or not dev.plan.scatters_per_microbatch or not dev.options.checks_finite:
     return flags
   agreed = jax.lax.pmin(jnp.stack([f.astype(jnp.int32) for f in flags]), dev.plan.axes) > 0
   return tuple(agreed)
@@ -294,7 +294,7 @@ def _microbatch_out(dev: _Device, index, mb, state, share) -> _trace.Out:
 
 
 def _added_as_is(dev: _Device, out: _trace.Out, acc: _core.Accumulator, x: _Inputs) -> _Decided:
-  """``skip_nonfinite="step"`` or False: a microbatch's gradient reduced as the
+  """``on_nonfinite="propagate"`` or False: a microbatch's gradient reduced as the
   plan says, added as it is (the whole step is judged after the loop, or nothing
   is): the hand-written scan's add, which XLA fuses into the gradient's last
   product. Records whether its loss is finite, not acted on: a scalar per
@@ -305,7 +305,7 @@ def _added_as_is(dev: _Device, out: _trace.Out, acc: _core.Accumulator, x: _Inpu
   by the weight, a scalar known before the gradient. Without one, no select.
   """
   weight = x.weight
-  admission = _core.admit(None, weight, skip_nonfinite=False)
+  admission = _core.admit(None, weight, refuse_nonfinite=False)
   grads = out.grads
   if weight is not None:
     counts = jnp.isfinite(weight) & (weight > 0)
@@ -316,7 +316,7 @@ def _added_as_is(dev: _Device, out: _trace.Out, acc: _core.Accumulator, x: _Inpu
 
 
 def _kept_by_loss(dev: _Device, out: _trace.Out, acc: _core.Accumulator, x: _Inputs) -> _Decided:
-  """``skip_nonfinite="microbatch"``, the first pass: a microbatch is kept by its
+  """``on_nonfinite="skip_microbatch"``, the first pass: a microbatch is kept by its
   loss alone; its gradient is not looked at (recorded as finite)."""
   return _kept_if(dev, out, acc, x, lambda grads: jnp.array(True))
 
@@ -324,7 +324,7 @@ def _kept_by_loss(dev: _Device, out: _trace.Out, acc: _core.Accumulator, x: _Inp
 def _kept_by_loss_and_gradient(
     dev: _Device, out: _trace.Out, acc: _core.Accumulator, x: _Inputs
 ) -> _Decided:
-  """``skip_nonfinite="microbatch"``, the recheck: a microbatch is kept by its
+  """``on_nonfinite="skip_microbatch"``, the recheck: a microbatch is kept by its
   loss and what the recheck found so far, and records whether its gradient is
   finite (for the pass that adds the others)."""
   return _kept_if(dev, out, acc, x, _core.all_finite)
@@ -359,7 +359,7 @@ def _kept_if(
     # local leaf's is not zeroed above (only a scattered one's is).
     finite = finite | ~counts
   loss_ok, finite = _agreed(dev, loss_ok, finite)
-  admission = _core.admit(None, weight, skip_nonfinite=False, accept=loss_ok)
+  admission = _core.admit(None, weight, refuse_nonfinite=False, accept=loss_ok)
   # Selects, which XLA fuses into the additions: a shard reduced per microbatch
   # is dropped where the devices agree to skip; what stays local, where this
   # device's microbatch is not kept.
@@ -423,9 +423,9 @@ def _emptied(carry: _Carry, dev: _Device) -> _Carry:
 
 
 def _passes(dev: _Device, start: _Carry, xs: _Inputs):
-  """The microbatches in one pass; with ``skip_nonfinite="microbatch"``, two more
+  """The microbatches in one pass; with ``on_nonfinite="skip_microbatch"``, two more
   only where its sums are not finite. Returns the carry, the stacked per-example
-  leaves and, with ``"step"``, whether each microbatch's loss is finite.
+  leaves and, with ``"propagate"``, whether each microbatch's loss is finite.
 
   With ``"step"`` (the default) and False, one pass that adds every microbatch
   as it is (:func:`_added_as_is`); the step is judged after the loop
@@ -442,12 +442,12 @@ def _passes(dev: _Device, start: _Carry, xs: _Inputs):
   pass, so the recheck compiles one more loop body, not two.
   """
   options = dev.options
-  by_microbatch = options.skip_nonfinite and not options.skip_step
+  by_microbatch = options.on_nonfinite == "skip_microbatch"
   first = _kept_by_loss if by_microbatch else _added_as_is
   carry, stacked, loss_finite = _pass(dev, first, start, xs)
-  if options.skip_step:
+  if options.propagates:
     return carry, stacked, loss_finite
-  if not options.skip_nonfinite:
+  if not options.checks_finite:
     return carry, stacked, None
 
   def recheck(found):
@@ -516,17 +516,17 @@ class _StepSkip(NamedTuple):
 
 
 def _skipped(call: _call.Call, acc, grads, state, nothing_kept) -> tuple[Any, Any, _StepSkip]:
-  """The gradient, the threaded state and what ``info`` says, by ``skip_nonfinite``:
-  with ``"step"``, a step that is not finite comes back with a NaN gradient and
+  """The gradient, the threaded state and what ``info`` says, by ``on_nonfinite``:
+  with ``"propagate"``, a step that is not finite comes back with a NaN gradient and
   the state passed in (selects, no conditional). See :func:`_skipped_grads`."""
   options = call.options
   skip = _StepSkip(nothing_kept, acc.num_skipped, acc.weight)
-  if options.skip_step:
+  if options.propagates:
     skip = _whole_step(acc, call.plan)
     if options.state_argnums:
       old = call.args[options.state_argnums[0]]
       state = jax.tree.map(lambda new, old: jnp.where(skip.skipped, old, new), state, old)
-  elif not options.skip_nonfinite:
+  elif not options.checks_finite:
     skip = skip._replace(skipped=jnp.array(False))
   return _skipped_grads(call, grads, skip.skipped | nothing_kept), state, skip
 
@@ -562,7 +562,7 @@ STEP_PACK_LIMIT = 1 << 12
 
 
 def _whole_step(acc: _core.Accumulator, plan: _sharding.Plan | None) -> _StepSkip:
-  """``skip_nonfinite="step"``: one check of the summed loss and gradient after the
+  """``on_nonfinite="propagate"``: one check of the summed loss and gradient after the
   loop (the sums are the whole batch's, every device's), no conditional. A step
   that is skipped leaves out every microbatch of the call.
 
@@ -633,7 +633,7 @@ def value_and_grad(
     reduction: Any = None,
     accumulator_dtype: Any = jnp.float32,
     gradient_dtype: Any = None,
-    skip_nonfinite: bool | str = "step",
+    on_nonfinite: str = "propagate",
     data_parallel: _options.DataParallel | None = None,
     return_info: bool = False,
     gradient_noise: bool = False,
@@ -660,8 +660,11 @@ def value_and_grad(
       a pytree prefix, or a callable); see :doc:`/guides/leaf_reductions`.
     accumulator_dtype: the sums' dtype (float32; None: the gradients' own).
     gradient_dtype: the returned gradient's dtype; None: the parameters'.
-    skip_nonfinite: ``"step"`` (NaN gradient for a non-finite step),
-      ``"microbatch"`` (leave out the bad microbatches) or False.
+    on_nonfinite: what a NaN or Inf does: ``"propagate"`` (default: the
+      step's gradient NaN in every leaf, as the full batch's would be, for
+      ``optax.apply_if_finite`` to skip the step), ``"skip_microbatch"`` (leave
+      out the bad microbatches, counted in ``info``) or ``"unchecked"``; the
+      same words as :func:`accum_jax.accumulate`'s (:doc:`/two_doors`).
     data_parallel: a :class:`DataParallel`: the mesh and how gradients cross it.
     return_info: also return a :class:`MicrobatchInfo`.
     gradient_noise: estimate the gradient noise, as ``info.gradient_noise``.
@@ -684,7 +687,7 @@ def value_and_grad(
       num_microbatches, argnums=argnums, batch_argnums=batch_argnums, has_aux=has_aux,
       weight_fn=weight_fn, rng_argnums=rng_argnums, state_argnums=state_argnums,
       aux_reduction=aux_reduction, reduction=reduction, accumulator_dtype=accumulator_dtype,
-      gradient_dtype=gradient_dtype, skip_nonfinite=skip_nonfinite, data_parallel=data_parallel,
+      gradient_dtype=gradient_dtype, on_nonfinite=on_nonfinite, data_parallel=data_parallel,
       return_info=return_info, gradient_noise=gradient_noise,
   )
   grad_fun = _trace.checked(fun, options)

@@ -56,7 +56,7 @@ class Options(NamedTuple):
   reduction: Any  # None, a string, a pytree prefix or a callable; see `grad_reductions`
   split: _batching.Split
   accumulator_dtype: Any
-  skip_nonfinite: bool  # non-finite data is skipped, one way or the other
+  on_nonfinite: str  # one of ON_NONFINITE (see _core.NONFINITE)
   mesh: Any
   data_axis: Any  # str, tuple of str, or None
   param_sharding: Any
@@ -66,7 +66,16 @@ class Options(NamedTuple):
   return_info: bool
   gradient_noise: bool
   gradient_dtype: Any = None  # None: each gradient leaf in its parameter's dtype
-  skip_step: bool = False  # skip_nonfinite="step": one check after the loop, no recheck
+
+  @property
+  def checks_finite(self) -> bool:
+    """Whether NaN or Inf is looked for at all (anything but "unchecked")."""
+    return self.on_nonfinite != "unchecked"
+
+  @property
+  def propagates(self) -> bool:
+    """on_nonfinite="propagate": one check after the loop, the step's gradient NaN."""
+    return self.on_nonfinite == "propagate"
 
   @property
   def data_parallel(self) -> bool:
@@ -174,14 +183,14 @@ DEFAULTS: dict[str, Any] = {
     "reduction": None,
     "accumulator_dtype": jnp.float32,
     "gradient_dtype": None,
-    "skip_nonfinite": "step",
+    "on_nonfinite": "propagate",
     "data_parallel": None,
     "return_info": False,
     "gradient_noise": False,
 }
 
 # The options that were renamed, grouped or dropped, and what replaces each.
-_RENAMED = {"grad_reduction": "reduction"}
+_RENAMED = {"grad_reduction": "reduction", "skip_nonfinite": "on_nonfinite"}
 _DATA_PARALLEL_FIELDS = (
     "mesh", "data_axis", "param_sharding", "gather", "gather_dtype", "reduce_dtype", "split")
 _PAD_BATCH_FIX = (
@@ -201,6 +210,13 @@ def _shown(value: Any) -> str:
 def _retired(caller: str, name: str, given: Mapping[str, Any], refused: Mapping[str, str]) -> str:
   """The message for a retired option: what replaces it, with the value given."""
   value = _shown(given[name])
+  if name == "skip_nonfinite":
+    now = _core.renamed_nonfinite(given[name])
+    return (f"{caller} takes no skip_nonfinite=: pass on_nonfinite={now!r} instead (one"
+            " word per meaning in both doors: 'propagate', 'skip_microbatch', 'skip_window',"
+            " 'unchecked')." if now else
+            f"{caller} takes no skip_nonfinite=: pass on_nonfinite= ('propagate',"
+            " 'skip_microbatch', 'skip_window' or 'unchecked', as the function takes them).")
   if name in _RENAMED:
     new = _RENAMED[name]
     if new in refused:
@@ -223,6 +239,7 @@ def _retired(caller: str, name: str, given: Mapping[str, Any], refused: Mapping[
 def check_keywords(
     caller: str, given: Mapping[str, Any], accepted: Collection[str],
     refused: Mapping[str, str] | None = None, listed: Sequence[str] | None = None,
+    retired: Collection[str] = RETIRED,
 ) -> None:
   """ValueError naming the fix for a keyword in ``given`` that ``caller`` does not
   take (it takes ``accepted``; ``listed`` are the options a message lists):
@@ -236,7 +253,7 @@ def check_keywords(
   value = _shown(given[name])
   if name in refused:
     raise ValueError(f"{caller} does not take {name}={value}: {refused[name]}")
-  if name in RETIRED:
+  if name in retired:
     raise ValueError(_retired(caller, name, given, refused))
   options = sorted(listed if listed is not None else accepted)
   close = difflib.get_close_matches(name, accepted, n=1, cutoff=0.8)
@@ -271,6 +288,7 @@ def _signature(
 def takes_options(
     caller: str, *, options_of: Callable[..., Any] | None = None,
     refused: Mapping[str, str] | None = None, shown: bool = True,
+    retired: Collection[str] = RETIRED,
 ) -> Callable[[F], F]:
   """Decorates a public function that takes ``value_and_grad``'s options.
 
@@ -292,7 +310,7 @@ def takes_options(
 
     @functools.wraps(fun)
     def checked(*args: Any, **kwargs: Any) -> Any:
-      check_keywords(caller, kwargs, accepted, refusing, listed)
+      check_keywords(caller, kwargs, accepted, refusing, listed, retired)
       return fun(*args, **kwargs)
 
     if shown:
@@ -349,14 +367,14 @@ def make(
         " states into one pytree."
     )
   dp = _data_parallel(o["data_parallel"])
-  skip = _skip_mode(o["skip_nonfinite"])
   options = Options(
       num_microbatches=n, argnums=diff, single_argnum=isinstance(o["argnums"], numbers.Integral),
       batch_argnums=batch, rng_argnums=argnums_tuple(o["rng_argnums"], "rng_argnums"),
       state_argnums=state, has_aux=o["has_aux"], weight_fn=o["weight_fn"],
       aux_reduction=o["aux_reduction"], reduction=o["reduction"], split=dp.split,
       accumulator_dtype=_core.canonicalize_accumulator_dtype(o["accumulator_dtype"]),
-      skip_nonfinite=skip is not False, skip_step=skip == "step", mesh=dp.mesh,
+      on_nonfinite=_core.check_on_nonfinite(o["on_nonfinite"], ON_NONFINITE, caller),
+      mesh=dp.mesh,
       data_axis=dp.data_axis, param_sharding=dp.param_sharding,
       gather="per_microbatch" if dp.gather is None else dp.gather,
       gather_dtype=_transport_dtype(dp.gather_dtype, "gather_dtype"),
@@ -369,23 +387,8 @@ def make(
   return options
 
 
-SKIP_MODES: tuple[str, ...] = ("step", "microbatch")
-DEFAULT_SKIP = "step"
-
-
-def _skip_mode(skip_nonfinite: Any) -> str | bool:
-  """``skip_nonfinite`` as "step", "microbatch" or False (None and True: "step", the default)."""
-  if skip_nonfinite is None or skip_nonfinite is True:
-    return DEFAULT_SKIP
-  if skip_nonfinite is False or skip_nonfinite in SKIP_MODES:
-    return skip_nonfinite
-  raise ValueError(
-      f"skip_nonfinite={skip_nonfinite!r} is not one of True, False, 'step' or"
-      " 'microbatch': 'step' (the default, also True) returns a NaN gradient for a step whose"
-      " summed loss or gradient is not finite, 'microbatch' leaves out only the"
-      " microbatches that are not finite (a second pass over them when there are any),"
-      " False adds everything as it is."
-  )
+# The on_nonfinite values the inside-step functions take (see _core.NONFINITE).
+ON_NONFINITE: tuple[str, ...] = ("propagate", "skip_microbatch", "unchecked")
 
 
 def _floating_dtype(dtype: Any, name: str, fix: str) -> Any:

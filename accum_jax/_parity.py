@@ -412,11 +412,11 @@ def _skipped_hints(
 ) -> list[str]:
   """What was skipped, and why: a whole step (the default) or microbatches."""
   num_skipped = int(info.num_skipped)
-  if parsed.skip_step and bool(info.step_skipped):
+  if parsed.propagates and bool(info.step_skipped):
     return [_skipped_step_hint(options, info, num_microbatches, num_shards, run_micro)]
   if not num_skipped:
     return []
-  if parsed.skip_step:  # the step was kept: only weights leave microbatches out
+  if parsed.propagates:  # the step was kept: only weights leave microbatches out
     return [
         f"{num_skipped} microbatch(es) were left out for a negative or non-finite weight;"
         " the result averages the others only. Check what weight_fn returns."
@@ -424,7 +424,7 @@ def _skipped_hints(
   return [
       f"{num_skipped} microbatch(es) were skipped because their loss or gradient was"
       " not finite (or their weight negative); the result averages the others only."
-      " Find the rows that make the loss non-finite, or pass skip_nonfinite=False to"
+      " Find the rows that make the loss non-finite, or pass on_nonfinite='unchecked' to"
       " see the NaN."
   ]
 
@@ -438,15 +438,15 @@ def _skipped_step_hint(
 ) -> str:
   """The default skipped the step: names the microbatches whose loss is not finite
   (info.loss_finite), or, where every loss is finite, counts those whose gradient
-  is not by running them once more with skip_nonfinite="microbatch"."""
+  is not by running them once more with on_nonfinite="skip_microbatch"."""
   skipped = (
-      f"so the step was skipped whole (skip_nonfinite='step', the default): the gradient"
+      f"so the step was skipped whole (on_nonfinite='propagate', the default): the gradient"
       f" came back NaN in every leaf and info.num_skipped counts all"
       f" {int(info.num_skipped)} microbatches."
   )
   fixes = (
-      " Pass skip_nonfinite='microbatch' to leave out only the microbatches that are not"
-      " finite, or skip_nonfinite=False to see where the gradient is not finite."
+      " Pass on_nonfinite='skip_microbatch' to leave out only the microbatches that are not"
+      " finite, or on_nonfinite='unchecked' to see where the gradient is not finite."
   )
   bad = np.flatnonzero(~np.asarray(info.loss_finite)).tolist()
   if bad:
@@ -459,7 +459,7 @@ def _skipped_step_hint(
         f"{' per device' if num_shards > 1 else ''}) is not finite, {skipped} Find the"
         f" rows there that make the loss non-finite.{fixes}"
     )
-  _, _, by_microbatch = run_micro({**options, "skip_nonfinite": "microbatch"})
+  _, _, by_microbatch = run_micro({**options, "on_nonfinite": "skip_microbatch"})
   if num_bad := int(by_microbatch.num_skipped):
     return (
         f"Every microbatch's loss is finite, but the gradient of {num_bad} microbatch(es)"

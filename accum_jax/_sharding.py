@@ -483,7 +483,7 @@ class LocalSums(NamedTuple):
     noise: the sums of the gradient-noise estimate, an ``_noise.NoiseSums``, or
       None without ``gradient_noise``.
     batch_weight: the weight of the whole batch (every device's), float32.
-    loss_finite: with ``skip_nonfinite="step"``, whether each microbatch's loss
+    loss_finite: with ``on_nonfinite="propagate"``, whether each microbatch's loss
       is finite (padding counts as finite), shape (N,), in device order under a
       mesh; else None.
   """
@@ -494,7 +494,7 @@ class LocalSums(NamedTuple):
   per_example: Any  # likewise
   noise: Any = None
   batch_weight: Any = None
-  loss_finite: Any = None  # per microbatch, whether its loss is finite (skip_nonfinite="step")
+  loss_finite: Any = None  # per microbatch, whether its loss is finite (on_nonfinite="propagate")
 
 
 def _psum_exact(tree: Any, axes: tuple[str, ...]) -> Any:

@@ -108,7 +108,7 @@ def _check_not_gated(state: Any, caller: str) -> None:
           " optax.MultiSteps' should_skip_update_fn, a conditional transform) drops that"
           " call's count, so the windows after it shift, and a rejected window-closing call"
           " merges two windows. Put no gate around accumulate: its own"
-          " skip_nonfinite='window' (the default) skips a window holding a NaN or Inf"
+          " on_nonfinite='skip_window' (the default) skips a window holding a NaN or Inf"
           " whole and counts it; a gate that must act on the applied update goes inside,"
           " e.g. accumulate(optax.apply_if_finite(inner, 5), every_k).")
 

@@ -79,7 +79,7 @@ class _Options(NamedTuple):
   reduction: Any  # per leaf: a string, a pytree prefix or a callable (_options.grad_reductions)
   value_reduction: str  # of `value`: "sum" where reduction is "sum", else "mean"
   accumulator_dtype: Any
-  skip_nonfinite: str | bool  # "window", "call" or False (SKIP_MODES)
+  on_nonfinite: str  # one of _update_args.ON_NONFINITE
   skip_fn: ShouldSkipUpdateFunction
 
 
@@ -116,14 +116,14 @@ class _Inner(NamedTuple):
   state: Any  # the inner optimizer's state after this call
   last_noise: Any  # the last applied window's GradientNoise, () without gradient noise
   # shape=(), dtype=bool: the window was applied: it ended, held weight, and (with
-  # skip_nonfinite="window") its sums were finite. A Python bool where the host decided.
+  # on_nonfinite="skip_window") its sums were finite. A Python bool where the host decided.
   applied: Any
   # The accumulator's sum after the call: the window's, or zeros where it ended.
   total: Any = None
 
 
 def _make_options(
-    inner, every_k, *, reduction, accumulator_dtype, skip_nonfinite, should_skip_update_fn,
+    inner, every_k, *, reduction, accumulator_dtype, on_nonfinite, should_skip_update_fn,
     every_k_name, gradient_noise,
 ) -> _Options:
   by_noise = every_k if isinstance(every_k, _noise.NoiseScaleSchedule) else None
@@ -137,7 +137,8 @@ def _make_options(
       reduction=reduction,
       value_reduction="sum" if reduction == "sum" else "mean",
       accumulator_dtype=_core.canonicalize_accumulator_dtype(accumulator_dtype),
-      skip_nonfinite=_update_args.check_skip_nonfinite(skip_nonfinite),
+      on_nonfinite=_core.check_on_nonfinite(
+          on_nonfinite, _update_args.ON_NONFINITE, "accumulate"),
       skip_fn=should_skip_update_fn or _no_skip,
   )
 
@@ -247,19 +248,19 @@ def _add(options: _Options, call: _Call, state: AccumulationState) -> _Window:
   """This call into the window (unless skipped), and whether the window ends."""
   should_skip, skip_state = options.skip_fn(call.grads, state.optimizer_step, call.params)
   accept = ~jnp.asarray(should_skip, bool) & _within_window(options, call, state)
-  per_call = options.skip_nonfinite == "call"
+  per_call = options.on_nonfinite == "skip_microbatch"
   if call.value is not None and per_call:
     # A NaN loss is bad data as much as a NaN gradient (and would poison the
     # window's mean loss): the call is skipped.
     accept = accept & jnp.isfinite(call.value)
   accumulator, kept = _core.add(
-      state.accumulator, call.grads, call.weight, skip_nonfinite=per_call, accept=accept,
+      state.accumulator, call.grads, call.weight, refuse_nonfinite=per_call, accept=accept,
       kinds=call.kinds,
   )
   value_accumulator = state.value_accumulator
   if call.value is not None:
     value_accumulator, _ = _core.add(
-        value_accumulator, call.value, call.weight, skip_nonfinite=False, accept=kept
+        value_accumulator, call.value, call.weight, refuse_nonfinite=False, accept=kept
     )
   # Per call without weight=: B_simple is then counted in calls.
   noise = (
@@ -356,10 +357,10 @@ def _zero_unless(apply: jax.Array, updates: Any) -> Any:
 
 
 def _window_finite(options, call, acc, value_window) -> jax.Array | None:
-  """With ``skip_nonfinite="window"``, whether the window's sums (and its
+  """With ``on_nonfinite="skip_window"``, whether the window's sums (and its
   ``value``s) are finite: one check when the window is applied, none per call.
   None where nothing is judged here."""
-  if options.skip_nonfinite != "window":
+  if options.on_nonfinite != "skip_window":
     return None
   finite = _core.all_finite_packed(acc.total)
   if call.value is not None:
@@ -382,6 +383,9 @@ def _emit(options, call, window, inner_state, acc, value_window, last_noise, car
     return carrier, inner_state, last_noise
 
   finite = _window_finite(options, call, acc, value_window)
+  if finite is None and call.apply is None:
+    # Under the conditional this runs only where window.apply: nothing to judge.
+    return (*update(inner_state, last_noise), jnp.array(True))
   applied = window.apply if finite is None else window.apply & finite
   if call.apply is None:
     # Inside the device schedule's conditional: a select of the inner state here
@@ -464,30 +468,31 @@ def _device_step(options, call, state, window, update_shapes) -> _Inner:
   operations (elementwise, broadcasts, reductions: Adam's whole update) by selects,
   and then runs both branches on every call; it keeps one whose other branch only
   passes its operands through (:func:`accum_jax.testing.gpu_conditionals` predicts
-  which). So the branch that holds the window returns its operands as they are:
-  the inner state, the last window's noise, and a value of the updates' shapes
-  (:func:`_carrier`); the zero updates are a ``where`` after the conditional
-  (:func:`_zero_unless`), and so is the window's sum, emptied where it ended.
+  which). So the branch that skips the inner update returns its operands as they
+  are: the inner state, the last window's noise, and a value of the updates'
+  shapes (:func:`_carrier`); the zero updates are a ``where`` after the
+  conditional (:func:`_zero_unless`), and so is the window's sum, emptied where
+  the window ended (applied, or empty).
   """
   held = _held(update_shapes, call.grads)  # the updates' dtypes, as the caller gets them
   carrier, is_sum = _carrier(update_shapes, held, window.accumulator)
 
-  def end(inner_state, acc, value_window, last_noise, carrier, not_done):
-    del not_done
+  def emit(inner_state, acc, value_window, last_noise, carrier, not_applied):
+    del not_applied
     return _emit(options, call, window, inner_state, acc, value_window, last_noise, carrier)
 
-  def hold(inner_state, acc, value_window, last_noise, carrier, not_done):
+  def hold(inner_state, acc, value_window, last_noise, carrier, not_applied):
     del acc, value_window
-    return carrier, inner_state, last_noise, not_done
+    return carrier, inner_state, last_noise, not_applied
 
-  # `window.done` (False where hold runs) passes through as the flag: a
+  # `window.apply` (False where hold runs) passes through as the flag: a
   # constant made in the branch would make XLA:GPU turn the conditional into selects.
   out, inner_state, last_noise, applied = jax.lax.cond(
-      window.done, end, hold, state.inner_opt_state, window.accumulator,
-      window.value_accumulator, state.last_noise, carrier, window.done)
+      window.apply, emit, hold, state.inner_opt_state, window.accumulator,
+      window.value_accumulator, state.last_noise, carrier, window.apply)
   updates = _zero_unless(applied, _cast_like(out, held))
-  # Where the window held, `out` is its sum, passed through; where it ended, the
-  # updates took the sum's buffers, and the state's sum is emptied.
+  # Where the inner update did not run, `out` is the sum, passed through; where it
+  # ran, the updates took the sum's buffers. Where the window ended, it is emptied.
   total = _emptied_where(window.done, out if is_sum else window.accumulator.total)
   return _Inner(updates, inner_state, last_noise, applied, total)
 
@@ -538,14 +543,14 @@ def _accumulate(
     *,
     reduction: _core.Reduction | Any = "mean",
     accumulator_dtype: Any = jnp.float32,
-    skip_nonfinite: str | bool = "window",
+    on_nonfinite: str = "skip_window",
     should_skip_update_fn: ShouldSkipUpdateFunction | None = None,
     every_k_name: str = "every_k",
     gradient_noise: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   options = _make_options(
       inner, every_k, reduction=reduction, accumulator_dtype=accumulator_dtype,
-      skip_nonfinite=skip_nonfinite, should_skip_update_fn=should_skip_update_fn,
+      on_nonfinite=on_nonfinite, should_skip_update_fn=should_skip_update_fn,
       every_k_name=every_k_name, gradient_noise=gradient_noise,
   )
 
@@ -609,13 +614,18 @@ def _next_noise(state, window, applied, last_noise, by_noise) -> dict[str, Any]:
   return fields
 
 
+@_options.takes_options("accumulate", retired=("skip_nonfinite",), refused={
+    "layout": "the flat layout was removed: optax.flatten(inner) packs the inner"
+              " optimizer's state into one vector, which an H200 ran faster"
+              " (docs/guides/gpu.md); accumulate(optax.flatten(inner), every_k).",
+})
 def accumulate(
     inner: optax.GradientTransformation,
     every_k: int | EveryKSchedule,
     *,
     reduction: _core.Reduction | Any = "mean",
     accumulator_dtype: Any = jnp.float32,
-    skip_nonfinite: str | bool = "window",
+    on_nonfinite: str = "skip_window",
     gradient_noise: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   """Accumulates gradients over ``every_k`` calls, then runs ``inner`` once.
@@ -647,9 +657,11 @@ def accumulate(
       :doc:`/guides/leaf_reductions`.
     accumulator_dtype: the least precision of the running sum (float32); None
       keeps the gradients' dtype.
-    skip_nonfinite: ``"window"`` (default: a window whose sum holds NaN or Inf
-      is skipped whole when applied, its calls counted in ``num_skipped``),
-      ``"call"`` (each call checked) or False.
+    on_nonfinite: what a NaN or Inf does: ``"skip_window"`` (default: a
+      window whose sum holds one is skipped whole when applied, its calls
+      counted in ``num_skipped``), ``"skip_microbatch"`` (each call checked, a
+      bad one skipped alone and counted) or ``"unchecked"``; the same words as
+      :func:`accum_jax.value_and_grad`'s (:doc:`/two_doors`).
     gradient_noise: estimate the gradient noise from the calls' gradients, read
       with :func:`accum_jax.noise.last_window`.
 
@@ -680,6 +692,6 @@ def accumulate(
       every_k,
       reduction=reduction,
       accumulator_dtype=accumulator_dtype,
-      skip_nonfinite=skip_nonfinite,
+      on_nonfinite=on_nonfinite,
       gradient_noise=gradient_noise,
   )

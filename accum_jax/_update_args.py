@@ -85,23 +85,11 @@ def check_value(value: Any) -> None:
     )
 
 
-# How accumulate guards against a NaN or Inf: "window" judges the window's sums
-# once, when it is applied (nothing per call); "call" checks each call's gradient
-# (a reduction per call) and leaves the rest of the window; False does neither.
-SKIP_MODES = ("window", "call", False)
-
-
-def check_skip_nonfinite(skip_nonfinite: Any) -> str | bool:
-  if skip_nonfinite is True:
-    raise ValueError(
-        "skip_nonfinite=True is ambiguous: pass 'window' (the default: a window whose"
-        " sum is not finite is skipped whole when it is applied, at no cost per call) or"
-        " 'call' (each call's gradient checked, a NaN call skipped alone).")
-  if not any(skip_nonfinite is mode or skip_nonfinite == mode for mode in SKIP_MODES):
-    raise ValueError(
-        f"skip_nonfinite={skip_nonfinite!r} is not one of {SKIP_MODES}. Pass 'window'"
-        " (the default), 'call' or False.")
-  return skip_nonfinite
+# The on_nonfinite values accumulate takes (see _core.NONFINITE): "skip_window"
+# judges the window's sums once, when it is applied (nothing per call);
+# "skip_microbatch" checks each call's gradient (a reduction per call) and leaves the
+# rest of the window; "unchecked" does neither.
+ON_NONFINITE = ("skip_window", "skip_microbatch", "unchecked")
 
 
 def check_apply(apply: Any, flush: Any) -> bool | None:

@@ -460,7 +460,7 @@ def accumulate_private(
       accumulator_dtype=accumulator_dtype,
       # A bad physical batch is dropped alone: the logical batch keeps the others,
       # and its noise is drawn once, as the accountant counts it.
-      skip_nonfinite="call",
+      on_nonfinite="skip_microbatch",
   )
 
   def init_fn(params):

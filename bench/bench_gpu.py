@@ -28,8 +28,8 @@ the tables and writes the JSON; each section lives in its own module:
 ``--quick``, the GPU check in one call (under 4 minutes on one GPU, ``--budget``
 215 s): one table for both doors, no memory workers, no compilation cache (compile
 times are figures of the check) and no fit. Inside a step, at N x micro of 8x1,
-8x4 and 16x1: the default ``value_and_grad``, ``skip_nonfinite="microbatch"``,
-``skip_nonfinite=False``, the hand-written scan and the full batch, with step time,
+8x4 and 16x1: the default ``value_and_grad``, ``on_nonfinite="skip_microbatch"``,
+``on_nonfinite="unchecked"``, the hand-written scan and the full batch, with step time,
 compile time (after a warm-up compile of one microbatch's gradient, once per
 microbatch size) and static memory (temp + output). Across calls, every_k=8, in
 the form users write (the gradient of one sequence and the update in one jit),

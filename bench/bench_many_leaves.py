@@ -14,9 +14,9 @@ Rows, each compiled and timed interleaved with the others in one process:
 
 * ``scan``: the hand-written loop every user could write (no skip, no weights);
 * ``default``: ``value_and_grad`` with its defaults;
-* ``skip_nonfinite="microbatch"``: exact recovery of each microbatch that is not
+* ``on_nonfinite="skip_microbatch"``: exact recovery of each microbatch that is not
   finite;
-* ``skip_nonfinite=False``: no check.
+* ``on_nonfinite="unchecked"``: no check.
 
 For each: the median step time (rounds interleaved); the median compile time
 (``lower`` and ``compile`` after ``jax.clear_caches()``, the persistent
@@ -61,8 +61,8 @@ GPT_EMBED, GPT_HEADS, GPT_BLOCKS, GPT_VOCAB, GPT_SEQ, GPT_BATCH = 64, 8, 8, 512,
 ROWS: dict[str, dict[str, Any] | None] = {
     "scan": None,
     "default": {},
-    'skip_nonfinite="microbatch"': {"skip_nonfinite": "microbatch"},
-    "skip_nonfinite=False": {"skip_nonfinite": False},
+    "on_nonfinite='skip_microbatch'": {"on_nonfinite": "skip_microbatch"},
+    "on_nonfinite='unchecked'": {"on_nonfinite": "unchecked"},
 }
 
 

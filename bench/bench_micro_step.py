@@ -16,7 +16,7 @@ The rows: the floors; the host schedule (``accumulate(adamw)`` with
 ``apply=False`` on 7 calls and ``apply=True`` on the 8th, two compiled programs),
 also with the inner state packed by ``optax.flatten``; the device schedule
 (``apply`` left out: one program, a kept conditional), also with
-``skip_nonfinite="call"``; a hand-written
+``on_nonfinite="skip_microbatch"``; a hand-written
 ``lax.cond`` accumulator; a plain AdamW step; ``optax.MultiSteps(adamw)``.
 
 The rows take turns, a window each per round, so that machine noise falls on all
@@ -195,8 +195,8 @@ def rows(inner: optax.GradientTransformation | None = None) -> dict[str, Row]:
       HOST: acc(True),
       "accumulate(optax.flatten(adamw)), host schedule": acc(True, optax.flatten),
       DEVICE: acc(False),
-      "accumulate(adamw, skip_nonfinite='call'), device schedule": acc(
-          False, skip_nonfinite="call"),
+      "accumulate(adamw, on_nonfinite='skip_microbatch'), device schedule": acc(
+          False, on_nonfinite="skip_microbatch"),
       "hand-written lax.cond accumulator": hand_written_cond(inner),
       "plain AdamW step": transformation(inner),
       MULTISTEPS: transformation(optax.MultiSteps(inner, EVERY_K).gradient_transformation()),

@@ -77,7 +77,7 @@ MICROBATCHED = (SCAN, OPTAX, ACCUM)
 STRIDED_SCAN = "lax.scan, strided split"  # only in the collectives table
 # Only at TARGET_N: accum_jax without its finiteness check, which the
 # hand-written scan does not make either.
-ACCUM_NO_CHECK = "accum_jax skip_nonfinite=False"
+ACCUM_NO_CHECK = "accum_jax on_nonfinite='unchecked'"
 
 _COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 
@@ -196,7 +196,7 @@ def accum_jax_value_and_grad(
 
 
 def accum_jax_without_check(loss: Callable, num_microbatches: int, batch_size: int) -> Callable:
-  return accum_jax_value_and_grad(loss, num_microbatches, batch_size, skip_nonfinite=False)
+  return accum_jax_value_and_grad(loss, num_microbatches, batch_size, on_nonfinite="unchecked")
 
 
 METHODS: dict[str, Callable[..., Callable]] = {

@@ -332,7 +332,7 @@ MICRO_ROWS = [
     ("tx.update", {}),
     ("tx.update, grads donated", {}),
     ("undonated", {}),
-    ("state first", {"skip_nonfinite": False}),
+    ("state first", {"on_nonfinite": "unchecked"}),
 ]
 # The micro-step and its two floors, timed back to back in each round.
 MICRO_RUNNERS = ("accum_jax", "floor", "floor carrying")

@@ -5,8 +5,8 @@ Each takes a loss and a number of microbatches N and returns a function of
 sequences, with no optimizer update (the ratios are about the loop):
 
 - ``accum_jax``: ``accum_jax.value_and_grad(loss_fn, N)``, defaults (float32
-  accumulator); ``--quick`` also runs it with ``skip_nonfinite="microbatch"`` and
-  ``skip_nonfinite=False``;
+  accumulator); ``--quick`` also runs it with ``on_nonfinite="skip_microbatch"`` and
+  ``on_nonfinite="unchecked"``;
 - ``lax.scan``: the hand-written loop MaxText and Levanter write: the batch
   reshaped to (N, micro, T + 1), ``jax.value_and_grad`` in a ``lax.scan`` body,
   float32 sums carried, divided by N after;
@@ -34,8 +34,8 @@ METHOD_NAMES = (ACCUM, SCAN, FULL)
 
 # --quick's names for the door's three ways of judging non-finite data.
 DEFAULT = "default"
-MICROBATCH = 'skip_nonfinite="microbatch"'
-NO_SKIP = "skip_nonfinite=False"
+MICROBATCH = "on_nonfinite='skip_microbatch'"
+NO_SKIP = "on_nonfinite='unchecked'"
 
 # accum_jax against the hand-written scan: both sum the same bfloat16 microbatch
 # gradients in float32 and cast the mean to bfloat16, so they differ by the
@@ -84,8 +84,8 @@ METHODS: dict[str, Callable[[Callable, int], Callable]] = {
 QUICK_METHODS: dict[str, Callable[[Callable, int], Callable]] = {
     SCAN: hand_written_scan,
     DEFAULT: accum_jax_value_and_grad,
-    MICROBATCH: lambda loss, n: accum_jax.value_and_grad(loss, n, skip_nonfinite="microbatch"),
-    NO_SKIP: lambda loss, n: accum_jax.value_and_grad(loss, n, skip_nonfinite=False),
+    MICROBATCH: lambda loss, n: accum_jax.value_and_grad(loss, n, on_nonfinite="skip_microbatch"),
+    NO_SKIP: lambda loss, n: accum_jax.value_and_grad(loss, n, on_nonfinite="unchecked"),
     FULL: full_batch,
 }
 

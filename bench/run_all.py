@@ -144,7 +144,7 @@ def summary(quick: bool, since: float) -> list[list[str]]:
   if many := _load("many_leaves" + suffix, since):
     for model, results in many["results"].items():
       scan = results["scan"]
-      for row in ("default", "skip_nonfinite=False"):
+      for row in ("default", "on_nonfinite='unchecked'"):
         r = results[row]
         rows.append(["many_leaves", f"{model}, {row}: step, compile time / scan",
                      f"{r['step_seconds'] / scan['step_seconds']:.3f},"

@@ -14,7 +14,7 @@ Checked and printed:
 - drift: the largest relative deviation of the updates and of the parameters from
   the float64 reference (float32 round-off, not growing with the number of steps);
 - skips: ``state.num_skipped`` against the reference's: under the default
-  ``skip_nonfinite="window"`` the calls of each window whose sum is not finite, under
+  ``on_nonfinite="skip_window"`` the calls of each window whose sum is not finite, under
   ``"call"`` each injection (zero-weight padding steps are not skips: a zero weight
   adds nothing, NaN or not);
 - nothing lost: the weights of the applied windows sum to the reference's (the last
@@ -143,12 +143,12 @@ def make_chunk_fn(opt: optax.GradientTransformation):
 
 
 def reference(stream: Stream, params: Any, every_k: int, chunk: int, dtype: Any = np.float64,
-              skip_nonfinite: str = "window"):
+              on_nonfinite: str = "skip_window"):
   """accumulate + Adam in ``dtype`` (float64), written out call by call.
 
   With ``dtype=np.float32`` it is a baseline: how far float32 arithmetic alone strays
-  from float64 on the same stream. ``skip_nonfinite``: "window" skips a window whose
-  sum is not finite when it ends, "call" a bad call alone. Returns the per-step
+  from float64 on the same stream. ``on_nonfinite``: "skip_window" skips a window whose
+  sum is not finite when it ends, "skip_microbatch" a bad call alone. Returns the per-step
   updates (zeros where none), whether each step updated, the parameters at each
   chunk's end, the weights of the applied windows, the number of windows that ended
   empty, and the number of calls skipped.
@@ -167,7 +167,7 @@ def reference(stream: Stream, params: Any, every_k: int, chunk: int, dtype: Any 
     g = [leaf[t].astype(dtype) for leaf in leaves]
     w = dtype(stream.weights[t])
     finite = all(np.isfinite(x).all() for x in g)
-    if w > 0 and not finite and skip_nonfinite == "call":
+    if w > 0 and not finite and on_nonfinite == "skip_microbatch":
       skipped += 1  # skipped: not added, not counted
     else:
       count += 1
@@ -176,7 +176,7 @@ def reference(stream: Stream, params: Any, every_k: int, chunk: int, dtype: Any 
         weight += w
         poisoned = poisoned or not finite
     if count >= every_k or stream.flushes[t]:
-      if poisoned:  # skip_nonfinite="window": the window is skipped whole
+      if poisoned:  # on_nonfinite="skip_window": the window is skipped whole
         skipped += count
       elif weight > 0:
         # NumPy keeps float32 with Python-float coefficients (NEP 50).
@@ -216,14 +216,14 @@ def _max_rel(actual: list[np.ndarray], expected: list[np.ndarray]) -> float:
 
 
 def run(steps: int = 10_000, every_k: int = 4, chunk: int = 250, seed: int = 0,
-        skip_nonfinite: str = "window") -> Report:
+        on_nonfinite: str = "skip_window") -> Report:
   """Runs the soak and its reference; see the module docstring."""
   if steps % chunk:
     raise ValueError(f"steps={steps} must be a multiple of chunk={chunk}.")
   stream = make_stream(steps, seed)
   params = jax.tree.map(jnp.asarray, initial_params())
   opt = accum_jax.accumulate(optax.adam(LEARNING_RATE, b1=B1, b2=B2, eps=EPS), every_k=every_k,
-                             skip_nonfinite=skip_nonfinite)
+                             on_nonfinite=on_nonfinite)
   state = opt.init(params)
   run_chunk = make_chunk_fn(opt)
 
@@ -252,12 +252,12 @@ def run(steps: int = 10_000, every_k: int = 4, chunk: int = 250, seed: int = 0,
 
   start = time.perf_counter()
   ref_updates, ref_updated, ref_params, ref_weights, ref_empty, ref_skipped = reference(
-      stream, initial_params(), every_k, chunk, skip_nonfinite=skip_nonfinite
+      stream, initial_params(), every_k, chunk, on_nonfinite=on_nonfinite
   )
   reference_seconds = time.perf_counter() - start
 
   f32_updates, f32_updated, f32_params, *_ = reference(
-      stream, initial_params(), every_k, chunk, np.float32, skip_nonfinite
+      stream, initial_params(), every_k, chunk, np.float32, on_nonfinite
   )
 
   def update_deviation(actual, actual_updated):

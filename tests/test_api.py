@@ -72,10 +72,10 @@ def test_an_idea_has_one_name_and_one_default_in_every_function(fun):
     default = _options.DEFAULTS[name]
     if fun is accum_jax.equinox.filter_value_and_grad and name == "rng_argnums":
       assert p.default == "auto"  # None folds no key here too; "auto" finds them
-    elif fun is accum_jax.accumulate and name in ("reduction", "skip_nonfinite"):
+    elif fun is accum_jax.accumulate and name in ("reduction", "on_nonfinite"):
       # The same values; the default reduction names "mean" itself, and the unit
       # skipped whole is the window across calls where it is the step inside one.
-      assert p.default == {"reduction": "mean", "skip_nonfinite": "window"}[name]
+      assert p.default == {"reduction": "mean", "on_nonfinite": "skip_window"}[name]
     else:
       assert p.default == default, (name, p.default, default)
 
@@ -83,7 +83,7 @@ def test_an_idea_has_one_name_and_one_default_in_every_function(fun):
 def test_accumulate_and_value_and_grad_name_the_shared_ideas_alike():
   across = set(_keyword_parameters(accum_jax.accumulate))
   inside = set(_keyword_parameters(accum_jax.value_and_grad))
-  assert {"reduction", "accumulator_dtype", "skip_nonfinite", "gradient_noise"} <= across & inside
+  assert {"reduction", "accumulator_dtype", "on_nonfinite", "gradient_noise"} <= across & inside
 
 
 @pytest.mark.parametrize("caller", list(TAKING_OPTIONS))

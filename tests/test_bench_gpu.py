@@ -204,7 +204,7 @@ def test_the_quick_check_puts_both_doors_in_one_table_beside_an_earlier_run() ->
   assert float(default[4]) == pytest.approx(
       row["methods"]["default"]["step_ms"] / row["methods"]["lax.scan"]["step_ms"], abs=1e-3)
   assert cells["inside a step", "2x1", "lax.scan"][4] == "1.000"
-  assert cells["inside a step", "2x1", "skip_nonfinite=False"][-2:] == ["-", "-"]
+  assert cells["inside a step", "2x1", "on_nonfinite='unchecked'"][-2:] == ["-", "-"]
   # Micro-steps against the interface's floor, windows against MultiSteps'.
   micro = cells["across calls", "micro-step + gradient", host]
   assert micro[-2:] == ["5.000", "1.250"], micro

@@ -320,7 +320,8 @@ def test_a_non_finite_gradient_under_a_finite_loss_is_caught():
   assert np.isnan(float(loss)) and int(info.num_skipped) == 4
   assert all(bool(jnp.all(jnp.isnan(g))) for g in jax.tree.leaves(grads))
 
-  as_computed = jax.jit(accum_jax.cached_value_and_grad(embed, clip_loss, 4, skip_nonfinite=False))
+  as_computed = jax.jit(
+      accum_jax.cached_value_and_grad(embed, clip_loss, 4, on_nonfinite="unchecked"))
   tree_allclose(as_computed(params, batch), (plain_loss, plain_grads))
 
 

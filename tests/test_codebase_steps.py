@@ -301,7 +301,7 @@ def test_padding_with_a_nan_loss_is_not_counted_in_a_rechecked_step():
   x[2, 0], kind[2:4] = np.nan, 1  # microbatch 1: a finite loss, a NaN gradient
   vg = jax.jit(accum_jax.value_and_grad(
       loss, N, weight_fn=lambda b: b["mask"].sum(), return_info=True,
-      skip_nonfinite="microbatch"))
+      on_nonfinite="skip_microbatch"))
   value, grads, info = vg(jnp.ones(3), {"x": x, "mask": mask, "kind": kind})
   assert int(info.num_skipped) == 2
   kept = {"x": x[4:6], "mask": mask[4:6], "kind": kind[4:6]}

@@ -3,7 +3,7 @@
 A hand-made statistic leaf (a custom_vjp whose "gradient" is a new value, as
 Flax's FP8 amax histories are) beside an ordinary weight, a token-weighted loss,
 a microbatch whose loss is NaN, two of zero weight at the end, and one of large
-activations in the middle. With ``skip_nonfinite="microbatch"`` the NaN one is
+activations in the middle. With ``on_nonfinite="skip_microbatch"`` the NaN one is
 skipped and each kind is checked against references
 computed without accum_jax: the full batch's gradient for "mean" and "sum", the
 kept microbatches' statistics (each from ``jax.grad`` on its own rows) for
@@ -180,7 +180,7 @@ def run(layout: str, spec: str):
   vg = accum_jax.value_and_grad(
       loss_fn, has_aux=True, weight_fn=weight_fn, return_info=True,
       reduction=SPECS[spec][0], aux_reduction=AUX_REDUCTION, **options,
-      skip_nonfinite="microbatch",
+      on_nonfinite="skip_microbatch",
   )
   return jax.jit(vg)(params, batch)
 
@@ -236,7 +236,7 @@ def test_a_string_keeps_the_fp8_collection_at_max_and_the_collection_named_overr
   for spec, stat_kind in (("sum", "max"), (None, "max"),
                           ({"params": "sum", "_overwrite_with_gradient": "last"}, "last")):
     vg = accum_jax.value_and_grad(fp8_loss, 16, has_aux=True, weight_fn=weight_fn,
-                                  reduction=spec, skip_nonfinite="microbatch")
+                                  reduction=spec, on_nonfinite="skip_microbatch")
     _, grads = jax.jit(vg)(variables, batch)
     np.testing.assert_array_equal(grads["_overwrite_with_gradient"]["stat"], ref[stat_kind])
     tree_allclose(grads["params"]["w"], ref["mean" if spec is None else "sum"])
@@ -261,7 +261,7 @@ def test_accumulate_combines_each_leaf_as_its_reduction_says_over_calls(spec):
   params, batch = make_params(), make_batch()
   # 16 calls, one skipped (not counted): the window closes on the last.
   opt = accum_jax.accumulate(optax.sgd(1.0), every_k=15, reduction=reduction,
-                             skip_nonfinite="call")
+                             on_nonfinite="skip_microbatch")
   update = jax.jit(opt.update)
   state = opt.init(layout(params))
   for i in range(16):

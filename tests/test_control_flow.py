@@ -4,8 +4,8 @@ On XLA:GPU a ``while`` loop whose trip count XLA cannot prove copies its
 predicate to the host every iteration, and every ``conditional`` copies its
 branch index each time it runs. Each door's compiled step must loop over the
 microbatches with a known trip count and nothing of the kind inside. The default
-(``skip_nonfinite="step"``) judges the step after the loop with selects and runs
-no conditional; ``skip_nonfinite="microbatch"`` runs at most one per step, the
+(``on_nonfinite="propagate"``) judges the step after the loop with selects and runs
+no conditional; ``on_nonfinite="skip_microbatch"`` runs at most one per step, the
 recheck of a gradient that is NaN under a finite loss, after the loop.
 ``accumulate`` runs at most one per call. Read with
 the public :func:`accum_jax.testing.host_syncs`, on the programs XLA compiled.
@@ -112,18 +112,19 @@ def arguments(fun) -> tuple[Any, ...]:
   return params(), batch()
 
 
-@pytest.mark.parametrize("skip", [None, "microbatch"], ids=["default", "microbatch"])
+@pytest.mark.parametrize("skip", ["propagate", "skip_microbatch"],
+                         ids=["default", "skip_microbatch"])
 @pytest.mark.parametrize("name", list(OPTION_SETS))
 def test_value_and_grad_loops_with_a_known_trip_count_and_nothing_inside(name, skip):
   fun, options = OPTION_SETS[name]
   args = arguments(fun)
-  vg = accum_jax.value_and_grad(fun, N, skip_nonfinite=skip, **options)
+  vg = accum_jax.value_and_grad(fun, N, on_nonfinite=skip, **options)
   # The default judges the step after the loop with selects: no conditional.
-  check_step(compiled(vg, *args), conditionals=int(skip == "microbatch"))
+  check_step(compiled(vg, *args), conditionals=int(skip == "skip_microbatch"))
 
 
-def test_without_skip_nonfinite_no_conditional_runs_at_all():
-  program = compiled(accum_jax.value_and_grad(loss, N, skip_nonfinite=False), params(), batch())
+def test_unchecked_no_conditional_runs_at_all():
+  program = compiled(accum_jax.value_and_grad(loss, N, on_nonfinite="unchecked"), params(), batch())
   check_step(program)
   assert host_syncs(program).per_run == 0
 
@@ -237,10 +238,10 @@ def test_the_cached_door_loops_with_a_known_trip_count_and_nothing_inside(on_mes
   assert host_syncs(program).per_run == 0, str(host_syncs(program))
 
 
-@pytest.mark.parametrize("options", [{}, {"gradient_noise": True}, {"skip_nonfinite": False},
-                                     {"skip_nonfinite": "call"}],
-                         ids=["defaults", "gradient_noise", "skip_nonfinite=False",
-                              "skip_nonfinite='call'"])
+@pytest.mark.parametrize("options", [{}, {"gradient_noise": True}, {"on_nonfinite": "unchecked"},
+                                     {"on_nonfinite": "skip_microbatch"}],
+                         ids=["defaults", "gradient_noise", "on_nonfinite='unchecked'",
+                              "on_nonfinite='skip_microbatch'"])
 def test_accumulate_runs_one_conditional_per_call_and_none_when_the_host_decides(options):
   tx = accum_jax.accumulate(optax.adam(1e-3), every_k=N, **options)
   p = params()
@@ -250,7 +251,7 @@ def test_accumulate_runs_one_conditional_per_call_and_none_when_the_host_decides
   nested = [c for c in device.conditionals if c.in_branch]
   assert not device.loops and len(top) == 1, str(device)
   # The default judges the window in the applying branch: once more on that call only.
-  assert len(nested) == (options.get("skip_nonfinite", "window") == "window"), str(device)
+  assert len(nested) == (options.get("on_nonfinite", "skip_window") == "skip_window"), str(device)
   for apply in (False, True):
     host = host_syncs(compiled(lambda g, s, q, a=apply: tx.update(g, s, q, apply=a), p, state, p))
     assert not host.loops and host.per_run == 0, (apply, str(host))

@@ -15,7 +15,7 @@ from accum_jax import _core
 # One compiled function per core entry point; weights are always passed as
 # arrays so that every call below reuses them.
 _init = jax.jit(_core.init, static_argnames="accumulator_dtype")
-_add = jax.jit(_core.add, static_argnames="skip_nonfinite")
+_add = jax.jit(_core.add, static_argnames="refuse_nonfinite")
 _result = jax.jit(_core.result, static_argnames="reduction")
 
 
@@ -76,9 +76,9 @@ def test_negative_or_nonfinite_weight_is_skipped_and_counted(weight):
   assert (float(acc.weight), int(acc.count), int(acc.num_skipped)) == (0.0, 0, 1)
 
 
-def test_skip_nonfinite_false_adds_nan():
+def test_refuse_nonfinite_false_adds_nan():
   params = make_params()
-  acc, added = _add(_init(params), _nan_like(params), jnp.float32(1.0), skip_nonfinite=False)
+  acc, added = _add(_init(params), _nan_like(params), jnp.float32(1.0), refuse_nonfinite=False)
   assert bool(added)
   assert np.isnan(np.asarray(acc.total["scale"]))
   assert int(acc.num_skipped) == 0

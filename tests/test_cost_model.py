@@ -161,7 +161,7 @@ def test_temporaries_hold_the_model_s_resident_bytes_and_little_more(mode, width
   local_batch = 2 * (BATCH // devices) * width * 4
   activations = (BATCH // devices // k) * width * layers * 4
   slack = 2 * local_batch + 2 * activations + SMALL_BUFFERS
-  # The default skip_nonfinite="step" zeroes every gradient leaf on one check that
+  # The default on_nonfinite="propagate" zeroes every gradient leaf on one check that
   # reads every accumulator, so no output is written before all are read; XLA:CPU
   # then keeps one leaf's accumulator shard apart from its output, in the
   # temporaries for the whole loop (fsdp x tensor, 128x128: 8 KiB, 253,096 bytes

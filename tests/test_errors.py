@@ -148,8 +148,11 @@ def _loss_and_mean(w, batch):
 
 
 TRIGGERS: dict[str, Callable[[], object]] = {
-    "`skip_nonfinite=True`": lambda: accum_jax.accumulate(
-        optax.sgd(1.0), 2, skip_nonfinite=True),
+    "`on_nonfinite` is a value accumulate does not take": lambda: accum_jax.accumulate(
+        optax.sgd(1.0), 2, on_nonfinite="propagate"),
+    "`skip_nonfinite=` (renamed `on_nonfinite=`)": lambda: accum_jax.accumulate(
+        optax.sgd(1.0), 2, skip_nonfinite="window"),
+    "`layout=` (removed)": lambda: accum_jax.accumulate(optax.sgd(1.0), 2, layout="flat"),
     "`apply` is not a Python bool (a traced or array value)": lambda: _host_update(
         apply=jnp.array(True)),
     "`apply` given with `flush=True`": lambda: _host_update(apply=False, flush=True),
@@ -176,7 +179,7 @@ TRIGGERS: dict[str, Callable[[], object]] = {
         accum_jax.value_and_grad(lambda w, b: (_loss(w, b), {"total": 0.0}), 2, has_aux=True,
                                  aux_reduction={"totl": "sum"})(W, jnp.ones((4, 3)))),
     "`gradient_dtype` is not a floating dtype": lambda: _vg(gradient_dtype=jnp.int32),
-    "`skip_nonfinite` is unknown": lambda: _vg(skip_nonfinite="batch"),
+    "`on_nonfinite` is unknown": lambda: _vg(on_nonfinite="batch"),
     "`aux_reduction='concat'` and an aux leaf has no leading axis of the microbatch's rows": (
         lambda: accum_jax.value_and_grad(
             lambda w, b: (_loss(w, b), jnp.ones(3)), 2, has_aux=True, aux_reduction="concat"
@@ -645,7 +648,7 @@ def test_each_inside_step_function_shows_value_and_grads_options_in_its_signatur
     default = "auto" if (door.startswith("filter"), name) == (True, "rng_argnums") else (
         options[name].default)
     assert p.default == default, (name, p.default, default)
-  assert "skip_nonfinite" in pydoc.render_doc(fun)  # what help() shows
+  assert "on_nonfinite" in pydoc.render_doc(fun)  # what help() shows
   for name in LEFT_OUT[door]:
     with pytest.raises(ValueError, match="^" + re.escape(f"{door} does not take {name}=")):
       INSIDE_STEP[door](2, **{name: options[name].default})

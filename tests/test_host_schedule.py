@@ -117,10 +117,10 @@ def test_host_windows_of_3_5_and_2_calls_apply_their_weighted_means():
   assert int(state.optimizer_step) == 3 and int(state.mini_step) == 0
 
 
-@pytest.mark.parametrize("skip_nonfinite", ["window", "call", False])
-def test_the_two_programs_hold_no_conditional_and_the_adding_one_no_inner_update(skip_nonfinite):
+@pytest.mark.parametrize("on_nonfinite", ["skip_window", "skip_microbatch", "unchecked"])
+def test_the_two_programs_hold_no_conditional_and_the_adding_one_no_inner_update(on_nonfinite):
   params = make_params()
-  opt = accum_jax.accumulate(optax.adam(1e-3), every_k=K, skip_nonfinite=skip_nonfinite)
+  opt = accum_jax.accumulate(optax.adam(1e-3), every_k=K, on_nonfinite=on_nonfinite)
   state = opt.init(params)
   grads, weight = _calls(1)[0]
   programs = {apply: _step.lower(params, state, grads, weight, opt=opt, apply=apply).compile()
@@ -131,8 +131,9 @@ def test_the_two_programs_hold_no_conditional_and_the_adding_one_no_inner_update
   # Adam's update divides by a square root; the call that only adds holds none.
   assert counts[True]["sqrt"] + counts[True]["rsqrt"] > 0
   assert counts[False]["sqrt"] + counts[False]["rsqrt"] == 0
-  # ...and no reduction: with skip_nonfinite="window", nothing is checked per call.
-  assert (counts[False]["reduce"] == 0) == (skip_nonfinite != "call"), counts[False]["reduce"]
+  # ...and no reduction: with on_nonfinite="skip_window", nothing is checked per call.
+  checked = on_nonfinite == "skip_microbatch"
+  assert (counts[False]["reduce"] == 0) == (not checked), counts[False]["reduce"]
 
 
 def test_a_state_saved_mid_window_continues_under_either_schedule():
@@ -183,8 +184,9 @@ def test_apply_must_be_a_python_bool_and_replaces_flush():
     jax.jit(lambda a: IDENTITY.update(grads, state, apply=a))(True)
   with pytest.raises(ValueError, match=re.escape("Pass apply=True on the epoch's last call")):
     IDENTITY.update(grads, state, apply=False, flush=True)
-  with pytest.raises(ValueError, match=re.escape("skip_nonfinite=True is ambiguous")):
-    accum_jax.accumulate(optax.sgd(1.0), every_k=2, skip_nonfinite=True)
+  with pytest.raises(ValueError,
+                     match=re.escape("accumulate does not take on_nonfinite='propagate'")):
+    accum_jax.accumulate(optax.sgd(1.0), every_k=2, on_nonfinite="propagate")
   by_noise = accum_jax.accumulate(
       optax.sgd(1.0), every_k=accum_jax.noise.noise_scale_every_k(8, k_max=4))
   with pytest.raises(ValueError, match=re.escape("Leave apply= out of update for it")):

@@ -248,16 +248,16 @@ def test_a_program_that_is_not_lowered_is_refused():
 
 
 # Host waits per step: the default skips a non-finite step with selects after the
-# loop; "microbatch" has the recheck's one conditional after it.
-@pytest.mark.parametrize("skip_nonfinite, per_run", [(None, 0), ("microbatch", 1)])
+# loop; "skip_microbatch" has the recheck's one conditional after it.
+@pytest.mark.parametrize("on_nonfinite, per_run", [("propagate", 0), ("skip_microbatch", 1)])
 def test_value_and_grad_waits_for_the_host_at_most_once_per_step_and_never_in_its_loops(
-    skip_nonfinite, per_run
+    on_nonfinite, per_run
 ):
   def loss(params, batch):
     x, y = batch
     return jnp.mean((x @ params["w"] - y) ** 2)
 
-  step = accum_jax.value_and_grad(loss, num_microbatches=4, skip_nonfinite=skip_nonfinite)
+  step = accum_jax.value_and_grad(loss, num_microbatches=4, on_nonfinite=on_nonfinite)
   batch = (jnp.ones((16, 4)), jnp.ones((16, 1)))
   program = jax.jit(step).lower({"w": jnp.ones((4, 1))}, batch).compile()
   assert_no_host_syncs_in_loops(program)

@@ -37,13 +37,13 @@ def make_data(overflow):
   return x, y
 
 
-def make_step(skip_nonfinite, use_info, closed_over=False):
+def make_step(on_nonfinite, use_info, closed_over=False):
   def closing_over(loss_scale):  # the scale is not among the arguments
     return accum_jax.value_and_grad(
         lambda params, x, y: scaled_loss_fn(params, loss_scale, x, y), N,
-        skip_nonfinite=skip_nonfinite, return_info=True)
+        on_nonfinite=on_nonfinite, return_info=True)
 
-  vg = accum_jax.value_and_grad(scaled_loss_fn, N, skip_nonfinite=skip_nonfinite,
+  vg = accum_jax.value_and_grad(scaled_loss_fn, N, on_nonfinite=on_nonfinite,
                                 return_info=True)
 
   @jax.jit
@@ -65,15 +65,15 @@ def make_step(skip_nonfinite, use_info, closed_over=False):
 
 @pytest.mark.parametrize("closed_over", [False, True], ids=["passed", "closed over"])
 @pytest.mark.parametrize(
-    "skip_nonfinite, use_info",
-    [("step", False), (False, False), ("microbatch", True)],
-    ids=["the default, jmp's recipe as it is", "skip_nonfinite=False",
-         "skip_nonfinite='microbatch' with info.num_skipped"],
+    "on_nonfinite, use_info",
+    [("propagate", False), ("unchecked", False), ("skip_microbatch", True)],
+    ids=["the default, jmp's recipe as it is", "on_nonfinite='unchecked'",
+         "on_nonfinite='skip_microbatch' with info.num_skipped"],
 )
 def test_an_overflow_inside_a_step_lowers_the_scale_and_skips_the_step(
-    skip_nonfinite, use_info, closed_over
+    on_nonfinite, use_info, closed_over
 ):
-  train_step = make_step(skip_nonfinite, use_info, closed_over)
+  train_step = make_step(on_nonfinite, use_info, closed_over)
   params = {"w": normal(2, (4, 3), 0.5)}
   loss_scale = jmp.DynamicLossScale(jnp.float32(2**15))
 
@@ -96,11 +96,11 @@ def test_an_overflow_inside_a_step_lowers_the_scale_and_skips_the_step(
                              atol=5e-4)
 
 
-@pytest.mark.parametrize("skip_nonfinite", ["window", "call"])
-def test_across_calls_an_overflowing_call_lowers_the_scale_and_is_skipped(skip_nonfinite):
+@pytest.mark.parametrize("on_nonfinite", ["skip_window", "skip_microbatch"])
+def test_across_calls_an_overflowing_call_lowers_the_scale_and_is_skipped(on_nonfinite):
   """The recipe per call: unscale, adjust, and let accumulate skip the bad window
   (as PyTorch's GradScaler skips the step) or, with "call", the bad call alone."""
-  opt = accum_jax.accumulate(optax.sgd(LR), every_k=N, skip_nonfinite=skip_nonfinite)
+  opt = accum_jax.accumulate(optax.sgd(LR), every_k=N, on_nonfinite=on_nonfinite)
   grad_fn = jax.grad(scaled_loss_fn)
 
   @jax.jit
@@ -117,7 +117,7 @@ def test_across_calls_an_overflowing_call_lowers_the_scale_and_is_skipped(skip_n
     rows = slice(4 * i, 4 * (i + 1))
     params, opt_state, loss_scale = call(params, opt_state, loss_scale, x[rows], y[rows])
   assert float(loss_scale.loss_scale) == 2**14  # the overflow of call 2 reached the scaler
-  if skip_nonfinite == "window":  # the window is skipped whole: no update, N calls counted
+  if on_nonfinite == "skip_window":  # the window is skipped whole: no update, N calls counted
     assert int(opt_state.num_skipped) == N and int(opt_state.optimizer_step) == 0
     np.testing.assert_array_equal(params["w"], normal(2, (4, 3), 0.5))
   else:  # the bad call alone, not counted: the window waits for one more call

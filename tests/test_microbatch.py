@@ -655,7 +655,7 @@ def test_with_microbatch_skips_nonfinite_ones_are_counted_and_left_out_of_the_me
   params, batch = make_mlp_params(), make_batch()
   bad = dict(batch, x=with_value(batch["x"], 3, bad_value))  # row 3: microbatch 1 of 4
   value, grads, info = microbatched(mse_loss, 4, return_info=True,
-                                    skip_nonfinite="microbatch")(params, bad)
+                                    on_nonfinite="skip_microbatch")(params, bad)
   assert int(info.num_skipped) == 1
   assert float(info.total_weight) == 3.0
   kept = [0, 1, 4, 5, 6, 7]
@@ -668,7 +668,7 @@ def test_weighted_nonfinite_microbatches_are_left_out_of_the_weighted_mean():
   params, batch = make_mlp_params(), make_sequences()
   bad = dict(batch, y=with_value(batch["y"], (2, 0), np.nan))  # a valid token of microbatch 1
   vg = microbatched(sequence_loss, 4, weight_fn=num_tokens, return_info=True,
-                    skip_nonfinite="microbatch")
+                    on_nonfinite="skip_microbatch")
   value, grads, info = vg(params, bad)
   kept = [0, 1, 4, 5, 6, 7]
   expected_value, expected_grads = reference(sequence_loss)(params, take_rows(batch, kept))
@@ -682,7 +682,7 @@ def test_with_microbatch_skips_when_every_one_is_skipped_the_loss_and_gradients_
   params, batch = make_mlp_params(), make_batch()
   batch["x"] = np.full_like(batch["x"], np.nan)
   value, grads, info = microbatched(mse_loss, 4, return_info=True,
-                                    skip_nonfinite="microbatch")(params, batch)
+                                    on_nonfinite="skip_microbatch")(params, batch)
   assert np.isnan(value) and all(np.isnan(g).all() for g in jax.tree.leaves(grads))
   assert int(info.num_skipped) == 4 and float(info.total_weight) == 0.0
   # So accumulate skips the window that holds it, whole, and counts its calls.
@@ -738,7 +738,7 @@ def test_by_default_a_nan_gradient_under_a_finite_loss_skips_the_step_and_its_st
 def test_with_skip_nonfinite_false_a_nan_microbatch_poisons_the_result():
   params, batch = make_mlp_params(), make_batch()
   bad = dict(batch, x=with_value(batch["x"], 3, np.nan))
-  value, grads, info = microbatched(mse_loss, 4, skip_nonfinite=False, return_info=True)(
+  value, grads, info = microbatched(mse_loss, 4, on_nonfinite="unchecked", return_info=True)(
       params, bad
   )
   assert int(info.num_skipped) == 0

@@ -201,7 +201,7 @@ def test_a_non_finite_example_is_named_as_the_cause():
   # By default the step is skipped whole; its microbatch is named from info.loss_finite.
   assert any(h.startswith("The loss of microbatch(es) 1 (of 4) is not finite, so the step was"
                           " skipped whole") for h in report.hints), report.hints
-  report = check(mse_loss, make_params(), batch, skip_nonfinite="microbatch")
+  report = check(mse_loss, make_params(), batch, on_nonfinite="skip_microbatch")
   assert any(h.startswith("1 microbatch(es) were skipped") for h in report.hints)
 
 

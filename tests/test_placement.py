@@ -58,8 +58,10 @@ def test_clipping_inside_clips_the_window_and_outside_each_call():
 def test_apply_if_finite_outside_counts_nonfinite_calls_and_inside_sees_none():
   calls, _ = _grads(2)
   calls[1] = jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), calls[1])
-  inside = accum_jax.accumulate(optax.apply_if_finite(optax.sgd(0.1), 3), K, skip_nonfinite="call")
-  outside = optax.apply_if_finite(accum_jax.accumulate(optax.sgd(0.1), K, skip_nonfinite="call"), 3)
+  inside = accum_jax.accumulate(
+      optax.apply_if_finite(optax.sgd(0.1), 3), K, on_nonfinite="skip_microbatch")
+  outside = optax.apply_if_finite(
+      accum_jax.accumulate(optax.sgd(0.1), K, on_nonfinite="skip_microbatch"), 3)
   inside_params, _, inside_states = _run(inside, calls)
   outside_params, _, outside_states = _run(outside, calls)
   # The same parameters: the NaN call is skipped either way...

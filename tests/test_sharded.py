@@ -91,19 +91,19 @@ def _per_microbatch(found):
   return sorted((c.kind, c.axes) for c in found if c.in_loop and not c.in_branch)
 
 
-# Each layout under the default, and FSDP with skip_nonfinite="microbatch", whose
+# Each layout under the default, and FSDP with on_nonfinite="skip_microbatch", whose
 # loop agrees on each microbatch's skip over the data axes.
-@pytest.mark.parametrize("layout, skip_nonfinite", [
-    *((layout, None) for layout in LAYOUTS), ("fsdp", "microbatch"),
+@pytest.mark.parametrize("layout, on_nonfinite", [
+    *((layout, "propagate") for layout in LAYOUTS), ("fsdp", "skip_microbatch"),
 ])
 def test_every_layout_equals_the_full_batch_with_gradients_sharded_as_the_parameters(
-    layout, skip_nonfinite
+    layout, on_nonfinite
 ):
   mesh, data_axis, specs, params, batch = _place(layout)
   vg = accum_jax.value_and_grad(
       loss_fn, NUM_MICROBATCHES,
           data_parallel=accum_jax.DataParallel(
-              mesh=mesh, data_axis=data_axis, param_sharding=specs), skip_nonfinite=skip_nonfinite,
+              mesh=mesh, data_axis=data_axis, param_sharding=specs), on_nonfinite=on_nonfinite,
   )
   compiled = jax.jit(vg).lower(params, batch).compile()
   value, grads = compiled(params, batch)
@@ -116,9 +116,9 @@ def test_every_layout_equals_the_full_batch_with_gradients_sharded_as_the_parame
       if (over := tuple(a for a in axes if a in jax.tree.leaves(tuple(s))))
   )
   # Per microbatch: one reduce-scatter per sharded leaf, over its data axes; with
-  # "microbatch", the skip decision agreed over the data axes in one small
+  # "skip_microbatch", the skip decision agreed over the data axes in one small
   # all-reduce (the default checks the sums once, after the loop).
-  agreed = [("all-reduce", axes)] if skip_nonfinite == "microbatch" else []
+  agreed = [("all-reduce", axes)] if on_nonfinite == "skip_microbatch" else []
   per_microbatch = [c for c in _per_microbatch(found) if c[1] is None or set(c[1]) & set(axes)]
   assert per_microbatch == sorted([*scattered, *agreed]), per_microbatch
   # Nothing is all-reduced over a data axis inside the loop but the few flags
@@ -210,7 +210,7 @@ def test_gather_and_reduce_dtypes_are_what_crosses_devices():
   assert len(operand_types) == 8, operand_types
   assert all(t.endswith("bf16") for t in operand_types), operand_types
   # With "microbatch", 8 more in the recheck's body (the same pass, compiled again).
-  recheck = accum_jax.value_and_grad(loss_fn, NUM_MICROBATCHES, skip_nonfinite="microbatch",
+  recheck = accum_jax.value_and_grad(loss_fn, NUM_MICROBATCHES, on_nonfinite="skip_microbatch",
                                      **options)
   operand_types = _transported_types(jax.jit(recheck).lower(params, batch))
   assert len(operand_types) == 2 * 8, operand_types
@@ -252,7 +252,7 @@ def _non_finite_step(where, **options):
 
 @pytest.mark.parametrize("where", ["loss", "gradient"])
 def test_a_non_finite_microbatch_is_skipped_on_every_device_and_counted(where):
-  x, y, fun, (value, grads, info), _ = _non_finite_step(where, skip_nonfinite="microbatch")
+  x, y, fun, (value, grads, info), _ = _non_finite_step(where, on_nonfinite="skip_microbatch")
   # Microbatch 1 of every device is dropped: the other microbatches' mean.
   kept = np.concatenate([np.arange(d * 4, d * 4 + 2) for d in range(8)])
   expected = jax.value_and_grad(fun)(make_params(), {"x": x[kept], "y": y[kept]})

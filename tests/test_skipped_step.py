@@ -1,4 +1,4 @@
-"""A step that ``skip_nonfinite="step"`` skips moves no optimizer, on every documented path.
+"""A step that ``on_nonfinite="propagate"`` skips moves no optimizer, on every documented path.
 
 The inside-step door never hands the optimizer a fake zero gradient: a step
 whose summed loss or gradient is not finite comes back with a non-finite

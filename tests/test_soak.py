@@ -55,12 +55,12 @@ def _check(report) -> None:
   np.testing.assert_allclose(report.applied_weight, report.reference_applied_weight, rtol=1e-6)
 
 
-@pytest.mark.parametrize("skip_nonfinite", ["window", "call"])
-def test_soak_of_500_micro_steps_with_nonfinite_gradients_and_flushes(skip_nonfinite):
-  report = _load_soak().run(steps=500, every_k=4, chunk=250, skip_nonfinite=skip_nonfinite)
+@pytest.mark.parametrize("on_nonfinite", ["skip_window", "skip_microbatch"])
+def test_soak_of_500_micro_steps_with_nonfinite_gradients_and_flushes(on_nonfinite):
+  report = _load_soak().run(steps=500, every_k=4, chunk=250, on_nonfinite=on_nonfinite)
   # The stream exercises every path: injections, NaN padding, flushes.
   assert report.injections > 0 and report.padding_steps > 0 and report.flushes > 1
-  if skip_nonfinite == "call":
+  if on_nonfinite == "skip_microbatch":
     assert report.reference_num_skipped == report.injections
   else:  # each window with an injection is skipped whole: more calls than injections
     assert report.reference_num_skipped > report.injections

@@ -142,7 +142,7 @@ def test_by_default_a_non_finite_microbatch_skips_the_step_and_names_its_loss():
 
 def test_a_non_finite_microbatch_is_left_out_of_both_passes_and_counted():
   poisoned, batch = _poisoned()
-  value, grads, info = door(4, return_info=True, skip_nonfinite="microbatch")(poisoned, batch)
+  value, grads, info = door(4, return_info=True, on_nonfinite="skip_microbatch")(poisoned, batch)
   assert int(info.num_skipped) == 1
   kept = jax.tree.map(lambda x: np.concatenate([x[:8], x[16:]]), batch)
   expected_value, expected_grads = jax.value_and_grad(full_batch_loss)(poisoned, kept)

@@ -5,7 +5,7 @@ The machine is shared, so compile and step times are left to
 ``fun`` is traced per trace of the step, on a model of many small leaves, and that
 a call's data go one way through the door: bound once, then read, with nothing
 below calling back up. The fusions the default's step runs after the loop beside
-``skip_nonfinite=False``'s (the one check of the sums) are XLA's choice, counted in
+``on_nonfinite="unchecked"``'s (the one check of the sums) are XLA's choice, counted in
 test_xla_facts.py.
 """
 
@@ -47,8 +47,8 @@ def _counting_loss(counter):
 
 @pytest.mark.parametrize("options", [
     {},
-    {"skip_nonfinite": False},
-    {"skip_nonfinite": "microbatch"},
+    {"on_nonfinite": "unchecked"},
+    {"on_nonfinite": "skip_microbatch"},
     {"weight_fn": lambda batch: jnp.sum(batch["w"]), "aux_reduction": {"steps": "sum"}},
 ], ids=["default", "no skip", "per microbatch", "weights and aux"])
 def test_fun_is_traced_once_per_trace_of_the_step(options):
@@ -128,4 +128,4 @@ def test_the_step_check_keeps_the_static_memory_of_no_check():
     analysis = compiled.memory_analysis()
     return analysis.temp_size_in_bytes + analysis.output_size_in_bytes
 
-  assert memory() <= memory(skip_nonfinite=False) + 4096
+  assert memory() <= memory(on_nonfinite="unchecked") + 4096

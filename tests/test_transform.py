@@ -425,7 +425,8 @@ def test_flush_drops_nothing_and_an_empty_window_flush_does_nothing():
   k = 3
   # The learning rate is the optimizer step + 1: the updates show both the
   # gradient and the step count the inner optimizer saw.
-  opt = accum_jax.accumulate(optax.sgd(lambda count: count + 1.0), k, skip_nonfinite="call")
+  opt = accum_jax.accumulate(
+      optax.sgd(lambda count: count + 1.0), k, on_nonfinite="skip_microbatch")
   params = make_params()
   g = microbatch_grads(params, 7)
   nan = _nan_like(g[0])
@@ -478,7 +479,7 @@ def test_nonfinite_calls_are_skipped_and_the_accumulator_stays_finite():
   inf_in_one_leaf = {**g[0], "scale": jnp.asarray(jnp.inf, jnp.float32)}
   sequence = [g[0], _nan_like(g[0]), g[1], inf_in_one_leaf, g[2], g[3], g[4], g[5]]
   _, updates, states = scan_updates(
-      _identity_accumulated(k, skip_nonfinite="call"), params, stack_trees(sequence),
+      _identity_accumulated(k, on_nonfinite="skip_microbatch"), params, stack_trees(sequence),
       apply_updates=False,
   )
   updates = unstack_tree(updates)
@@ -519,7 +520,7 @@ def test_skip_nonfinite_false_adds_nonfinite_gradients():
   params = make_params()
   (g,) = microbatch_grads(params, 1)
   _, updates, states = scan_updates(
-      _identity_accumulated(2, skip_nonfinite=False),
+      _identity_accumulated(2, on_nonfinite="unchecked"),
       params,
       stack_trees([g, _nan_like(g)]),
       apply_updates=False,
@@ -802,7 +803,7 @@ def _record_value_and_grad():
 @functools.cache
 def _value_recorder(k, reduction="mean"):
   return accum_jax.accumulate(
-      _record_value_and_grad(), k, reduction=reduction, skip_nonfinite="call")
+      _record_value_and_grad(), k, reduction=reduction, on_nonfinite="skip_microbatch")
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])

@@ -313,7 +313,7 @@ def test_with_microbatch_skips_a_nan_gradient_under_a_finite_loss_is_left_out():
   x[5, 1] = np.inf  # microbatch 1 of 4
   w = np.ones((2,), np.float32)
   vg = jax.jit(accum_jax.value_and_grad(masked_linear_loss, 4, return_info=True,
-                                        skip_nonfinite="microbatch"))
+                                        on_nonfinite="skip_microbatch"))
   value, grads, info = vg(w, x)
   assert np.isfinite(masked_linear_loss(w, x)) and not np.isfinite(
       jax.grad(masked_linear_loss)(w, x[4:8])).all()
@@ -343,16 +343,16 @@ def test_padding_whose_loss_is_nan_never_skips_the_default_step():
   tree_allclose((value, grads), jax.value_and_grad(masked_padded_loss)(w, kept))
 
 
-@pytest.mark.parametrize("skip_nonfinite_first", [False, True], ids=["rechecked", "by loss"])
+@pytest.mark.parametrize("loss_nan", [False, True], ids=["rechecked", "by loss"])
 def test_padding_whose_loss_is_nan_is_never_counted_even_in_a_rechecked_step(
-    skip_nonfinite_first,
+    loss_nan,
 ):
   # 4 microbatches of 4 rows: microbatch 1 has a NaN gradient under a finite loss
   # (or, "by loss", a NaN loss), which makes the step recheck its gradients;
   # microbatch 3 is padding (weight 0) whose loss is NaN: it counts for nothing.
   x = normal(3, (BATCH, 2))
   poison = np.zeros(BATCH, np.float32)
-  if skip_nonfinite_first:
+  if loss_nan:
     poison[5] = np.nan
   else:
     x[5, 1] = np.inf
@@ -363,7 +363,7 @@ def test_padding_whose_loss_is_nan_is_never_counted_even_in_a_rechecked_step(
   w = np.ones((2,), np.float32)
   vg = jax.jit(accum_jax.value_and_grad(
       masked_padded_loss, 4, weight_fn=lambda b: b["mask"].sum(), return_info=True,
-      skip_nonfinite="microbatch"))
+      on_nonfinite="skip_microbatch"))
   value, grads, info = vg(w, batch)
   assert int(info.num_skipped) == 1 and float(info.total_weight) == 8
   kept = jax.tree.map(lambda a: np.concatenate([a[:4], a[8:12]]), batch)
@@ -380,12 +380,12 @@ def test_a_float16_accumulator_under_a_mesh_equals_the_float32_one():
   def loss(w, x):
     return jnp.mean((x @ w) ** 2)
 
-  # float16 arithmetic without a loss scale: skip_nonfinite is stated, not left at its default.
+  # float16 arithmetic without a loss scale: on_nonfinite is stated, not left at its default.
   narrow = jax.jit(accum_jax.grad(loss, 2,
       data_parallel=accum_jax.DataParallel(
-          mesh=mesh, param_sharding=P()), accumulator_dtype=None, skip_nonfinite=True))(w, x)
+          mesh=mesh, param_sharding=P()), accumulator_dtype=None, on_nonfinite="propagate"))(w, x)
   wide = jax.jit(accum_jax.grad(loss, 2,
       data_parallel=accum_jax.DataParallel(
-          mesh=mesh, param_sharding=P()), skip_nonfinite=True))(w, x)
+          mesh=mesh, param_sharding=P()), on_nonfinite="propagate"))(w, x)
   assert narrow.dtype == jnp.float16 and np.isfinite(narrow).all()
   np.testing.assert_allclose(narrow.astype(np.float32), wide.astype(np.float32), rtol=2e-3)

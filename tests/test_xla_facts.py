@@ -40,7 +40,7 @@ def step_fusions():
   return {
       mode: kernel_counts(jax.jit(accum_jax.value_and_grad(step_cost._loss, step_cost.N, **kwargs))
                           .lower(*args).compile()).fusions
-      for mode, kwargs in (("default", {}), ("no skip", {"skip_nonfinite": False}))
+      for mode, kwargs in (("default", {}), ("no skip", {"on_nonfinite": "unchecked"}))
   }
 
 
@@ -48,7 +48,7 @@ def step_fusions():
 def test_the_step_check_after_the_loop_is_a_few_fusions_not_one_per_leaf(step_fusions):
   """XLA:CPU makes the default's check of the packed sums after the loop (a copy and
   a reduction, which it may split) at most 8 top-level fusions more than
-  ``skip_nonfinite=False``'s step: 102 against 98 on JAX 0.10.2. Unpacked, a
+  ``on_nonfinite="unchecked"``'s step: 102 against 98 on JAX 0.10.2. Unpacked, a
   reduction per leaf would add 48 or more (two each where XLA:CPU splits them).
 
   On a JAX upgrade that changes it: print ``step_fusions``; if the difference still
