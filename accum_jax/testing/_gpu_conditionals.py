@@ -1,7 +1,8 @@
 """What XLA:GPU does with each conditional: keeps it, or runs both branches as selects.
 
 A model of one rewrite of XLA:GPU, applied to the program before optimisation (the CPU
-compiler keeps every conditional, so a CPU-compiled program cannot show it). It
+compiler keeps every conditional, so a CPU-compiled program cannot show it), or, for
+:func:`host_syncs` given a ``Compiled``, to the conditionals another backend left. It
 follows openxla/xla ``xla/service/conditional_simplifier.cc`` at commit
 fdb896a536115dd0493b59fa5f5ccd55284d8a08: ``ConditionalSimplifier::TryRemoveConditional``
 (``instruction_is_expensive``, ``ComputationIsEmptyWithArrayRoot``), which XLA:GPU's
@@ -52,6 +53,13 @@ _SIDE_EFFECTS = frozenset((
 ))
 # A branch of only these that returns an array is "empty": a select would cost more.
 _PASS_THROUGH = frozenset(("parameter", "tuple", "get-tuple-element"))
+# Only in a compiled program: a reshape (or a transpose) that layout assignment made free,
+# counted as the reshape it mostly was; and the copies that copy insertion, which runs
+# after the rule, puts where a branch passes a value through.
+_LAYOUT_ONLY = frozenset(("bitcast",))
+_INSERTED = frozenset(("copy",))
+# What a call or a fusion (only in a compiled program) runs.
+_CALLEE = re.compile(r"(?:to_apply|calls)=%?([\w.\-]+)")
 
 
 class GpuConditional(NamedTuple):
@@ -152,6 +160,25 @@ def gpu_conditionals(program: Any) -> tuple[GpuConditional, ...]:
   return tuple(found)
 
 
+def judged_after_compiling(hlo_text: str) -> dict[str, bool]:
+  """Whether XLA:GPU keeps each conditional, by name, of a program another backend
+  has compiled (the CPU's, which keeps them all).
+
+  A ``jax.stages.Compiled`` keeps no copy of the program it was compiled from, so
+  the rules are applied to the conditionals as that compiler left them: the
+  computations it fused looked into (the GPU's rule runs before fusion), its
+  ``bitcast`` counted as the reshape it mostly was. What it removed leaves no
+  trace: an optimization barrier, which XLA:CPU drops, keeps a conditional on the
+  GPU that this judges to run as selects. The program before optimisation
+  (:func:`gpu_conditionals`) has no such blind spot.
+  """
+  comps = _hlo.parse(hlo_text)
+  memo: dict[str, tuple[bool, str]] = {}
+  return {instr.name: _judge(instr, comp, comps, memo, _PASS_THROUGH | _INSERTED)[0]
+          for comp in comps.values() for instr in comp.instructions.values()
+          if instr.opcode == "conditional"}
+
+
 def _op_name_prefixes(comps: dict[str, _hlo.Computation]) -> dict[str, str]:
   """What to put before the op_names of each computation. JAX names the instructions
   of a called function relative to the call (``cond``, not ``jit(f)/.../cond``), and
@@ -178,14 +205,17 @@ def _op_name_prefixes(comps: dict[str, _hlo.Computation]) -> dict[str, str]:
 
 
 def _judge(cond: _hlo.Instruction, comp: _hlo.Computation, comps: dict[str, _hlo.Computation],
-           memo: dict[str, tuple[bool, str]]) -> tuple[bool, str]:
-  """(kept, reason) for one conditional, in the order TryRemoveConditional checks."""
+           memo: dict[str, tuple[bool, str]], passing: frozenset[str] = _PASS_THROUGH,
+           ) -> tuple[bool, str]:
+  """(kept, reason) for one conditional, in the order TryRemoveConditional checks;
+  ``passing``: the opcodes of a branch that only passes its operands through."""
   if cond.name not in memo:
     branches = [name.strip().lstrip("%") for m in _hlo.BRANCHES.finditer(cond.line)
                 for name in m.group(1).strip("{}").split(",")]
     memo[cond.name] = (
-        _side_effect(branches, comps) or _shape_of_choice(cond, comp, branches)
-        or _expensive(branches, comps, memo) or _passes_through(branches, comps)
+        _side_effect(branches, comps) or _shape_of_choice(cond, comp, comps, branches)
+        or _expensive(branches, comps, memo, passing)
+        or _passes_through(branches, comps, passing)
         or (False, "all instructions cheap: both branches run"))
   return memo[cond.name]
 
@@ -200,11 +230,12 @@ def _side_effect(branches: list[str], comps: dict[str, _hlo.Computation]
   return None
 
 
-def _shape_of_choice(cond: _hlo.Instruction, comp: _hlo.Computation, branches: list[str]
+def _shape_of_choice(cond: _hlo.Instruction, comp: _hlo.Computation,
+                     comps: dict[str, _hlo.Computation], branches: list[str]
                      ) -> tuple[bool, str] | None:
   if len(branches) != 2:
     return True, f"{len(branches)} branches: only two can become selects"
-  index = comp.instructions.get(cond.operands[0]) if cond.operands else None
+  index, comp = _index(cond.operands[0], comp, comps) if cond.operands else (None, comp)
   if index is None or index.shape.startswith("pred["):
     return None
   source = comp.instructions.get(index.operands[0]) if index.operands else None
@@ -214,9 +245,37 @@ def _shape_of_choice(cond: _hlo.Instruction, comp: _hlo.Computation, branches: l
                 "boolean, so it stays an integer")
 
 
+def _index(name: str, comp: _hlo.Computation, comps: dict[str, _hlo.Computation]
+           ) -> tuple[_hlo.Instruction | None, _hlo.Computation]:
+  """What makes the index ``name`` of a conditional of ``comp``, and where. In a
+  compiled program, through what only moves it: into the computation a fusion fuses
+  (to its root, and from its parameters back to the fusion's operands), and back past
+  a bitcast, reshape or copy (XLA:CPU may convert a ``pred[1]``, then reshape)."""
+  instr = comp.instructions.get(name)
+  fusions: list[tuple[_hlo.Instruction, _hlo.Computation]] = []  # the fusions entered
+  while instr is not None:
+    callee = _CALLEE.search(instr.line) if instr.opcode == "fusion" else None
+    number = re.search(r"parameter\((\d+)\)", instr.line)
+    if callee is not None and callee.group(1) in comps:
+      fusions.append((instr, comp))
+      comp = comps[callee.group(1)]
+      instr = comp.instructions.get(comp.root)
+    elif instr.opcode in ("bitcast", "reshape", "copy") and len(instr.operands) == 1:
+      instr = comp.instructions.get(instr.operands[0])
+    elif instr.opcode == "parameter" and fusions and number:
+      fusion, comp = fusions.pop()
+      operands = fusion.operands
+      k = int(number.group(1))
+      instr = comp.instructions.get(operands[k]) if k < len(operands) else None
+    else:
+      break
+  return instr, comp
+
+
 def _live(name: str, comps: dict[str, _hlo.Computation]) -> list[_hlo.Instruction]:
   """The instructions of a computation that its root uses, calls inlined (as XLA:GPU
-  inlines them and removes dead code before the rule runs), in text order."""
+  inlines them and removes dead code before the rule runs), in text order. In a
+  compiled program, fusions are looked into the same way: the rule ran before them."""
   comp = comps[name]
   used: set[str] = set()
   todo = [comp.root]
@@ -227,8 +286,8 @@ def _live(name: str, comps: dict[str, _hlo.Computation]) -> list[_hlo.Instructio
       todo.extend(instr.operands)
   live = []
   for instr in comp.instructions.values():
-    if instr.name in used and instr.opcode == "call":
-      callee = re.search(r"to_apply=%?([\w.\-]+)", instr.line)
+    if instr.name in used and instr.opcode in ("call", "fusion"):
+      callee = _CALLEE.search(instr.line)
       live.extend(_live(callee.group(1), comps) if callee and callee.group(1) in comps
                   else [instr])
     elif instr.name in used:
@@ -237,12 +296,14 @@ def _live(name: str, comps: dict[str, _hlo.Computation]) -> list[_hlo.Instructio
 
 
 def _expensive(branches: list[str], comps: dict[str, _hlo.Computation],
-               memo: dict[str, tuple[bool, str]]) -> tuple[bool, str] | None:
+               memo: dict[str, tuple[bool, str]], passing: frozenset[str],
+               ) -> tuple[bool, str] | None:
   for i, branch in enumerate(branches):
     for instr in _live(branch, comps):
-      if instr.opcode in _CHEAP or instr.opcode in _ELEMENTWISE:
+      if instr.opcode in _CHEAP or instr.opcode in _ELEMENTWISE or instr.opcode in _LAYOUT_ONLY:
         continue
-      if instr.opcode == "conditional" and not _judge(instr, comps[branch], comps, memo)[0]:
+      if (instr.opcode == "conditional"
+          and not _judge(instr, comps[branch], comps, memo, passing)[0]):
         continue  # replaced by selects first, its branches inlined: all cheap
       if instr.opcode == "conditional":
         return True, f"branch {i} holds {instr.name}, a conditional XLA:GPU keeps"
@@ -251,12 +312,12 @@ def _expensive(branches: list[str], comps: dict[str, _hlo.Computation],
   return None
 
 
-def _passes_through(branches: list[str], comps: dict[str, _hlo.Computation]
-                    ) -> tuple[bool, str] | None:
+def _passes_through(branches: list[str], comps: dict[str, _hlo.Computation],
+                    passing: frozenset[str]) -> tuple[bool, str] | None:
   for i, branch in enumerate(branches):
     live = _live(branch, comps)
     root = comps[branch].instructions.get(comps[branch].root)
-    if (all(instr.opcode in _PASS_THROUGH for instr in live) and root is not None
+    if (all(instr.opcode in passing for instr in live) and root is not None
         and _hlo.ARRAY.search(root.shape)):
       return True, f"branch {i} only passes its operands through"
   return None

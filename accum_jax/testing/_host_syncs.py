@@ -8,10 +8,15 @@ runs: inside a microbatch loop, once per microbatch.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from accum_jax.testing import _hlo
-from accum_jax.testing._gpu_conditionals import GpuConditional, gpu_conditionals
+from accum_jax.testing._gpu_conditionals import (
+    GpuConditional,
+    gpu_conditionals,
+    judged_after_compiling,
+)
 
 _WHILE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(?:\(.*?\)|\S+)\s+while\(")
 _CONDITIONAL = re.compile(
@@ -61,7 +66,7 @@ class Conditional(NamedTuple):
       taken), or None where one of those loops has no known trip count.
     gpu_kept: whether XLA:GPU keeps it (see :func:`gpu_conditionals`): True, it
       makes the host wait; False, it becomes selects, so the host does not wait
-      but both branches run; None where unknown (only compiled text was given).
+      but both branches run; None where unknown (only HLO text was given).
 
   Examples:
     >>> from accum_jax.testing import Conditional
@@ -117,7 +122,7 @@ class HostSyncs(NamedTuple):
     """The conditionals that XLA's GPU compiler replaces by selects.
 
     They make the host wait for nothing, but both of their branches run every
-    time. Known only when a ``Lowered`` was given.
+    time. Known unless only HLO text was given.
     """
     return tuple(c for c in self.conditionals if c.gpu_kept is False)
 
@@ -166,11 +171,18 @@ def _where(item: Loop | Conditional) -> str:
   return ", ".join(places) or "top level"
 
 
-def _hlo_text(program: Any) -> tuple[str, tuple[GpuConditional, ...] | None]:
-  """The compiled text of ``program``, and what XLA:GPU does with its conditionals
-  where the unoptimised program was given (a ``Lowered``, compiled here)."""
+class _Read(NamedTuple):
+  text: str  # compiled
+  gpu_compiled: bool  # XLA:GPU compiled it: every conditional left is one it kept
+  predicted: tuple[GpuConditional, ...] | None  # from the program before optimisation
+
+
+def _read(program: Any) -> _Read:
+  """The compiled text of ``program``, which compiler made it, and what XLA:GPU does
+  with its conditionals where the program before optimisation was given (a
+  ``Lowered``, compiled here)."""
   if isinstance(program, str):
-    return program, None
+    return _Read(program, False, None)
   import jax  # here, so that reading HLO text alone needs no jax
 
   program = _hlo.jax_stage(program)
@@ -179,7 +191,9 @@ def _hlo_text(program: Any) -> tuple[str, tuple[GpuConditional, ...] | None]:
     predicted = gpu_conditionals(program)
     program = program.compile()
   if isinstance(program, jax.stages.Compiled):
-    return _hlo.compiled_as_text(program), predicted
+    platform = getattr(getattr(program.runtime_executable(), "client", None), "platform", "")
+    return _Read(_hlo.compiled_as_text(program), platform in ("cuda", "rocm", "gpu"),
+                 predicted)
   if isinstance(program, (jax.stages.Wrapped, jax.stages.Traced)):
     raise TypeError(
         "host_syncs needs a lowered or compiled program: pass f.lower(*args) or "
@@ -190,11 +204,22 @@ def _hlo_text(program: Any) -> tuple[str, tuple[GpuConditional, ...] | None]:
       f"{type(program).__name__}")
 
 
-def _gpu_kept(op_name: str, predicted: tuple[GpuConditional, ...] | None) -> bool | None:
-  """The prediction for a compiled conditional, matched by ``op_name``; None where
-  there is none, or where conditionals of that ``op_name`` were judged differently."""
-  verdicts = {c.kept for c in predicted or () if c.op_name == op_name}
-  return verdicts.pop() if op_name and len(verdicts) == 1 else None
+def _gpu_kept(program: Any, read: _Read) -> Callable[[str, str], bool | None]:
+  """Whether XLA:GPU keeps a conditional of the compiled text, from its name and
+  ``op_name``: True for all where XLA:GPU compiled it; else the prediction from the
+  program before optimisation where it names one verdict for that ``op_name``, or
+  the rules applied to the compiled program; None where only text was given."""
+  if read.gpu_compiled:
+    return lambda name, op_name: True
+  if isinstance(program, str):
+    return lambda name, op_name: None
+  after = judged_after_compiling(read.text)
+
+  def kept(name: str, op_name: str) -> bool | None:
+    before = {c.kept for c in read.predicted or () if c.op_name == op_name}
+    return before.pop() if op_name and len(before) == 1 else after.get(name)
+
+  return kept
 
 
 def host_syncs(program: Any) -> HostSyncs:
@@ -211,11 +236,18 @@ def host_syncs(program: Any) -> HostSyncs:
   proves as ``known_trip_count`` in the compiled HLO (the CPU compiler too, so
   this can be checked on a CPU).
 
-  Given the unoptimised program (a ``Lowered``), it compiles it on the current
-  backend for the trip counts and also predicts, with :func:`gpu_conditionals`,
-  which conditionals XLA:GPU replaces by selects: those make no host wait (they
-  are left out of ``in_loops`` and ``per_run``), but run both branches
-  (``both_branches``). Given only compiled text, every conditional counts.
+  Some conditionals XLA:GPU replaces by selects (``gpu_kept`` False): they make
+  no host wait (left out of ``in_loops`` and ``per_run``) but run both branches
+  (``both_branches``). Where XLA:GPU compiled the program, every conditional left
+  is one it kept. Otherwise the answer is XLA:GPU's, predicted with the rules of
+  :func:`gpu_conditionals`: given a ``Lowered``, it compiles it on the current
+  backend for the trip counts and applies them to the program before
+  optimisation; given a ``Compiled`` of another backend, which keeps no copy of
+  that program (jax 0.10.2), it applies them to the conditionals as that compiler
+  left them, the fusions looked into. The two answers agree, except where XLA:CPU
+  has removed what kept a conditional (an optimization barrier): pass the
+  ``Lowered`` to be sure. Given HLO text alone, which does not say what compiled
+  it, ``gpu_kept`` is None and every conditional counts.
 
   Args:
     program: ``jax.jit(f).lower(*args)`` (or ``nnx.jit``'s), its ``.compile()``,
@@ -236,7 +268,8 @@ def host_syncs(program: Any) -> HostSyncs:
     >>> [loop.trip_count for loop in syncs.loops], syncs.in_loops, syncs.per_run
     ([8], (), 0)
   """
-  text, predicted = _hlo_text(program)
+  read = _read(program)
+  text = read.text
   comps = _hlo.computations(text)
   # Every call site: (caller, callee, factor), the factor being how many times
   # the callee runs per run of the caller, None where no one can say.
@@ -271,9 +304,10 @@ def host_syncs(program: Any) -> HostSyncs:
     inside = _hlo.closure(called, comps)
     loops.append(Loop(name, op_name, trips, sum(c in inside for c, *_ in conds),
                       comp in in_loop, comp in in_branch))
+  gpu_kept = _gpu_kept(program, read)
   conditionals = tuple(
       Conditional(name, op_name, comp in in_loop, comp in in_branch, runs.get(comp),
-                  _gpu_kept(op_name, predicted))
+                  gpu_kept(name, op_name))
       for comp, name, op_name in conds
   )
   return HostSyncs(tuple(loops), conditionals)
