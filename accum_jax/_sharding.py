@@ -614,21 +614,43 @@ def map_devices(
         for x, spec in zip(dynamic, in_specs)
     ]
 
+  # The data axes along which each leaf enters the same on every device.
+  same = [tuple(a for a in plan.axes if a not in spec_axes(spec)) for spec in in_specs]
+
   def per_device(dynamic_leaves):
-    local = [d if d is not None else s for d, s in zip(dynamic_leaves, leaves)]
+    local = [s if d is None else _varying(d, axes)
+             for d, s, axes in zip(dynamic_leaves, leaves, same)]
     return fn(jax.tree.unflatten(treedef, local), jax.lax.axis_index(plan.axes))
 
-  # check_vma=False: JAX's varying-axis checks reject a vmap-named collective in
-  # fun (eqx.nn.BatchNorm's pmean; tests/test_sharding.py pins it). Without them,
-  # the gradient of a replicated argument stays a per-device
-  # partial sum until the explicit psum after the loop, instead of being
-  # all-reduced in every iteration of the scan. axis_names: only the data axes
-  # are manual, so parameters sharded over other mesh axes keep that sharding
-  # (and so do their gradients).
+  # check_vma=False: with JAX's varying-axis checks on, a lax.pmean over a vmap
+  # axis name in fun (as eqx.nn.BatchNorm's) fails with a bare AssertionError in
+  # pvary, a JAX bug (reproduced in docs/development.md; tests/test_sharding.py
+  # pins it). The replicated arguments are already marked varying as they enter
+  # (_varying); what else turning the checks on needs: the microbatch scan's
+  # initial carries made from constants (the accumulator's sums and counts,
+  # _core.init) marked the same way, or the scan refuses them. axis_names: only the
+  # data axes are manual, so parameters sharded over other mesh axes keep that
+  # sharding (and so do their gradients).
   return jax.shard_map(
       per_device, mesh=mesh, in_specs=(in_specs,), out_specs=out_specs, check_vma=False,
       axis_names=set(plan.axes),
   )(dynamic)
+
+
+def _varying(x: Any, axes: tuple[str, ...]) -> Any:
+  """``x``, which enters ``shard_map`` the same on every device along ``axes``,
+  marked as varying along them: a no-op with the varying-axis checks off. With them
+  on, what each device derives from it (the gradient of a replicated parameter)
+  stays its own partial sum until the one psum after the microbatch loop, as with
+  them off; unmarked, the checks all-reduce that gradient inside the loop, once per
+  microbatch (seen on 8 CPU devices, jax 0.10.2, with a scan of the gradients of a
+  replicated matrix)."""
+  if not axes:
+    return x
+  if hasattr(jax.lax, "pcast"):  # jax 0.8.2 and later; pvary is gone in 0.10
+    return jax.lax.pcast(x, axes, to="varying")
+  pvary = getattr(jax.lax, "pvary", None)
+  return x if pvary is None else pvary(x, axes)
 
 
 def run(

@@ -4,7 +4,8 @@ One hand-written program per rule of XLA:GPU's conditional rewrite (openxla/xla
 ``conditional_simplifier.cc``, after the algebraic simplifier has made the index of
 ``lax.cond`` a boolean). Each test also checks that the unoptimised program holds
 what the rule reads, so that a change in how JAX lowers cannot make it pass for
-another reason.
+another reason. On a GPU (``JAX_PLATFORMS=cuda``), one more test compiles every
+program there and checks that XLA:GPU kept exactly the conditionals predicted kept.
 """
 
 import re
@@ -184,3 +185,22 @@ def test_text_and_lowered_give_the_same_answer_and_compiled_programs_are_refused
   with pytest.raises(TypeError, match="int"):
     gpu_conditionals(3)
 
+
+
+def every_program():
+  """(id, lowered program) for each program above: each rule's, the nested ones, Adam's."""
+  programs = [(r[0], lowered(r[1])) for r in RULES]
+  for name, inner in (("nested, cheap", jnp.sin), ("nested, a dot", lambda x: x @ x)):
+    programs.append((name, lowered(lambda x, n, inner=inner: lax.cond(
+        n > 0, lambda x: lax.cond(n > 1, inner, jnp.cos, x), lambda x: x + 1.0, x))))
+  with_zeros, pass_through = adamw_steps()
+  return programs + [("adamw, zeros in the skip", with_zeros),
+                     ("adamw, a pass-through skip", pass_through)]
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu",
+                    reason="compiles for XLA:GPU: run with JAX_PLATFORMS=cuda on a GPU")
+def test_xla_gpu_keeps_exactly_the_conditionals_predicted_kept():
+  for name, program in every_program():
+    predicted = sum(c.kept for c in gpu_conditionals(program))
+    assert program.compile().as_text().count(" conditional(") == predicted, name

@@ -10,6 +10,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import optax
 import pytest
 from jax import lax
 
@@ -39,9 +40,12 @@ def scan_sum(x):
   return lax.scan(lambda c, xi: (c + xi, None), 0.0, x)[0]
 
 
+# The conditionals below return an operand unchanged from one branch, which makes
+# XLA:GPU keep them (a select would cost more than the branch): each makes the host
+# wait, which is what these tests count.
 def scan_cond(x):
   def body(c, xi):
-    return lax.cond(xi > 0, lambda: c + xi, lambda: c * xi), None
+    return lax.cond(xi > 0, lambda: c + xi, lambda: c), None
 
   return lax.scan(body, 0.0, x)[0]
 
@@ -80,12 +84,12 @@ def test_a_while_loop_with_a_data_dependent_condition_has_no_trip_count():
 
 
 def test_a_cond_outside_loops_syncs_once_per_run():
-  program = compiled(lambda x: lax.cond(x[0] > 0, lambda: x * 2.0, lambda: x + 1.0))
+  program = compiled(lambda x: lax.cond(x[0] > 0, lambda: x * 2.0, lambda: x))
   assert count(program, "conditional") == 1
   syncs = host_syncs(program)
   assert syncs.loops == ()
   assert [c._replace(name="") for c in syncs.conditionals] == [
-      Conditional("", "jit(<lambda>)/cond", False, False, 1)
+      Conditional("", "jit(<lambda>)/cond", False, False, 1, gpu_kept=True)
   ]
   assert syncs.in_loops == () and syncs.per_run == 1
 
@@ -108,7 +112,8 @@ def test_a_cond_in_a_while_condition_is_in_the_loop():
   def f(x):
     def cond(c):
       i, s = c
-      return lax.cond(s > 0, lambda: i < 5, lambda: i < 3)
+      near = i < 3
+      return lax.cond(s > 0, lambda: i < 5, lambda: near)
 
     return lax.while_loop(cond, lambda c: (c[0] + 1, c[1] + x[c[0]]), (0, x[0]))
 
@@ -145,7 +150,7 @@ def test_a_while_loop_of_unknown_trip_count_in_a_scan_is_in_the_loop():
 
 def test_a_cond_in_a_cond_branch_is_in_a_branch():
   def f(x):
-    inner = lambda: lax.cond(x[1] > 0, lambda: x * 2.0, lambda: x * 3.0)  # noqa: E731
+    inner = lambda: lax.cond(x[1] > 0, lambda: x * 2.0, lambda: x)  # noqa: E731
     return lax.cond(x[0] > 0, inner, lambda: x + 1.0)
 
   program = compiled(f)
@@ -162,7 +167,7 @@ def test_a_cond_in_a_cond_branch_is_in_a_branch():
 def test_nested_known_loops_multiply_their_trip_counts():
   def f(x):
     def inner(c, xi):
-      return lax.cond(xi > c, lambda: c + xi, lambda: c - xi), None
+      return lax.cond(xi > c, lambda: c + xi, lambda: c), None
 
     def outer(c, row):
       return lax.scan(inner, c, row)[0], None
@@ -289,6 +294,95 @@ def test_a_lowered_program_says_which_conditionals_xla_gpu_replaces_by_selects()
   with pytest.raises(AssertionError, match="inside a loop"):
     assert_no_host_syncs_in_loops(scan_of(lambda x: x @ x))
 
-  # From the compiled program alone, no one can say.
-  compiled_only = host_syncs(scan_of(jnp.sin).compile())
-  assert compiled_only.conditionals[0].gpu_kept is None and compiled_only.per_run == 3
+  # The compiled program says the same; its text alone cannot say which compiler made it.
+  assert host_syncs(scan_of(jnp.sin).compile()) == cheap
+  assert host_syncs(scan_of(lambda x: x @ x).compile()) == kept
+  text_only = host_syncs(scan_of(jnp.sin).compile().as_text())
+  assert text_only.conditionals[0].gpu_kept is None and text_only.per_run == 3
+
+
+def apply_if_finite_step():
+  """A train step under ``optax.apply_if_finite``: its conditional's branches (Adam's
+  update, or zeros) are all cheap, so XLA:GPU runs both as selects (seen on an H200)."""
+  opt = optax.apply_if_finite(optax.adamw(1e-3), 5)
+  params = {"w": jnp.ones((4, 8)), "b": jnp.zeros(8)}
+
+  def step(params, state, x):
+    grads = jax.grad(lambda p: jnp.mean((x @ p["w"] + p["b"]) ** 2))(params)
+    updates, state = opt.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  return jax.jit(step).lower(params, opt.init(params), jnp.ones((2, 4)))
+
+
+def test_a_lowered_step_and_its_compiled_program_get_the_same_report():
+  lowered = apply_if_finite_step()
+  from_lowered, from_compiled = host_syncs(lowered), host_syncs(lowered.compile())
+  assert str(from_compiled) == str(from_lowered)
+  assert from_compiled == from_lowered
+  (gate,) = from_compiled.conditionals
+  assert gate.op_name == "jit(step)/cond" and gate.gpu_kept is False
+  assert from_compiled.per_run == 0 and from_compiled.both_branches == (gate,)
+
+
+M = jnp.arange(16.0).reshape(4, 4) / 16
+N = jnp.int32(3)
+
+
+def in_a_scan(branch):
+  def f(x, n):
+    body = lambda c, xi: (lax.cond(xi.sum() > n, branch, jnp.cos, c), None)  # noqa: E731
+    return lax.scan(body, x, jnp.stack([x, x, x]))[0]
+
+  return f
+
+
+ACCUMULATE = accum_jax.accumulate(optax.adamw(1e-3), 4)
+
+
+def accumulate_adamw(x, state):
+  return ACCUMULATE.update({"w": x}, state, {"w": x})
+
+
+# A conditional of each kind: XLA:GPU keeps it or runs both branches, for each reason.
+PROGRAMS = {
+    "cheap branches": lambda x, n: lax.cond(n > 0, jnp.sin, jnp.cos, x),
+    "a dot in a branch": lambda x, n: lax.cond(n > 0, lambda x: x @ x, jnp.cos, x),
+    "a transpose in a branch": lambda x, n: lax.cond(n > 0, lambda x: x.T + 1.0, jnp.cos, x),
+    "a pass-through branch": lambda x, n: lax.cond(n > 0, lambda x: 2.0 * x, lambda x: x, x),
+    "lax.switch": lambda x, n: lax.switch(n, [jnp.sin, jnp.cos], x),
+    "a side effect": lambda x, n: lax.cond(
+        n > 0, lambda x: (jax.debug.callback(lambda v: None, x), 2.0 * x)[1], jnp.cos, x),
+    "a cheap cond in a cond": lambda x, n: lax.cond(
+        n > 0, lambda x: lax.cond(n > 1, jnp.sin, jnp.cos, x), lambda x: x + 1.0, x),
+    "a cheap cond in a scan": in_a_scan(jnp.sin),
+    "a kept cond in a scan": in_a_scan(lambda x: x @ x),
+    "accumulate(adamw)": accumulate_adamw,
+    "an optimization barrier": lambda x, n: lax.cond(
+        n > 0, lambda x: lax.optimization_barrier(2.0 * x), jnp.cos, x),
+}
+BARRIER = pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "XLA:CPU drops an optimization barrier before its compiled program is printed: from a"
+    " Compiled, host_syncs judges the conditional to run as selects, which XLA:GPU keeps"))
+
+
+@pytest.mark.parametrize("name", [
+    pytest.param(name, marks=BARRIER) if name == "an optimization barrier" else name
+    for name in PROGRAMS])
+def test_a_lowered_program_and_its_compiled_program_get_the_same_answer(name):
+  args = (M, ACCUMULATE.init({"w": M})) if name == "accumulate(adamw)" else (M, N)
+  lowered = jax.jit(PROGRAMS[name]).lower(*args)
+  from_lowered = host_syncs(lowered)
+  assert from_lowered.conditionals and None not in [c.gpu_kept for c in from_lowered.conditionals]
+  assert host_syncs(lowered.compile()) == from_lowered
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu",
+                    reason="compiles for XLA:GPU: run with JAX_PLATFORMS=cuda on a GPU")
+def test_on_a_gpu_the_conditionals_left_are_those_xla_gpu_kept():
+  lowered = apply_if_finite_step()
+  assert host_syncs(lowered.compile()) == host_syncs(lowered)
+  assert host_syncs(lowered).conditionals == ()  # replaced by selects
+  kept = jax.jit(PROGRAMS["a kept cond in a scan"]).lower(M, N)
+  (c,) = host_syncs(kept.compile()).conditionals
+  assert c.gpu_kept is True and host_syncs(kept).conditionals == (c,)

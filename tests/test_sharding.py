@@ -281,10 +281,16 @@ def test_stacked_aux_is_refused_with_a_mesh_when_the_function_is_made():
         data_parallel=accum_jax.DataParallel(mesh=data_mesh(), data_axis="data"))
 
 
-@pytest.mark.xfail(strict=True, raises=(AssertionError, ValueError), reason=(
-    "JAX's varying-axis checks reject a vmap-named collective inside shard_map (the pmean of"
-    " eqx.nn.BatchNorm), so accum_jax's shard_map keeps check_vma=False; when this passes,"
-    " turn the checks on in _sharding.map_devices"))
+# Before JAX 0.10 the same bug fails otherwise: a ValueError under jax.jit on 0.7.1, the
+# oldest JAX that pyproject.toml accepts ("Collective psum_invariant must be applied to
+# a device-varying type").
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError if jax.__version_info__ >= (0, 10) else (AssertionError, ValueError),
+    reason=("A JAX bug (docs/development.md): with the varying-axis checks on, a collective"
+            " over a vmap axis name inside shard_map (the pmean of eqx.nn.BatchNorm) fails"
+            " with a bare AssertionError in pvary, so accum_jax's shard_map keeps"
+            " check_vma=False; when this passes, turn the checks on in _sharding.map_devices"))
 def test_jax_checks_a_vmap_named_collective_inside_shard_map():
   def per_device(x):
     return jax.vmap(lambda y: jax.lax.pmean(jnp.mean(y), "batch"), axis_name="batch")(x)
