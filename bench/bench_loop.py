@@ -33,14 +33,17 @@ Each step returns its loss, as a training step does, kept in a list. The loops
 take turns in rounds, ``--windows`` windows of 8 microbatches each per round, in
 rotating order, each run starting on an idle device; per run: the host's time
 (from the loop's start to its last dispatch), the total (until the last result is
-ready), and how many calls were still in flight at the last dispatch (their losses
-not ready). Reported: samples (sequences) per second, median of the rounds, its
-ratio to the floor's (the median of the rounds' ratios), the host's time per
-iteration, and whether dispatch ran ahead of the device (more than the call just
-dispatched in flight in most rounds). Each program is compiled ahead
-(``lower().compile()``, in the form the loop calls it, so the loop finds it
-compiled), after a warm-up compile: the compile times of the host schedule's two
-programs against the device schedule's one.
+ready), the process's CPU time over the same span, and how many calls were still
+in flight at the last dispatch (their losses not ready). Reported: samples
+(sequences) per second, median of the rounds, its ratio to the floor's (the
+median of the rounds' ratios), the host's time and the CPU time per iteration, and
+whether dispatch ran ahead of the device (more than the call just dispatched in
+flight in most rounds). With it, what a call that only accumulates hands over
+and launches: the buffers in and out of its programs (each costs the host its
+dispatch) and their top-level fusions (``accum_jax.testing.kernel_counts``).
+Each program is compiled ahead (``lower().compile()``, in the form the loop calls
+it, so the loop finds it compiled), after a warm-up compile: the compile times of
+the host schedule's two programs against the device schedule's one.
 
 The model: on a GPU, bench_gpu.py's GPT-2 small (``gpu_model``), one sequence of
 1024 tokens a microbatch; elsewhere bench_micro_step.py's narrow GPT-2-shaped tree
@@ -48,8 +51,8 @@ The model: on a GPU, bench_gpu.py's GPT-2 small (``gpu_model``), one sequence of
 
 Run from the repository root::
 
-  python bench/bench_loop.py            # bench/results/loop.json
-  python bench/bench_loop.py --quick    # 1 layer, a few rounds: a smoke run
+  python bench/bench_loop.py            # 60 rounds of 2 windows: bench/results/loop.json
+  python bench/bench_loop.py --quick    # 1 layer, 3 rounds: a smoke run
 """
 
 from __future__ import annotations
@@ -337,7 +340,7 @@ def run(loop: Loop, data: np.ndarray, windows: int) -> dict[str, Any]:
   rows, s = len(data), loop.sequences
   carry, values = loop.carry, []
   first, calls = loop.next_call, windows * loop.calls
-  start = time.perf_counter()
+  start, cpu_start = time.perf_counter(), time.process_time()
   for call in range(first, first + calls):
     offset = call * s % rows
     carry, value = loop.step(call, carry, data[offset:offset + s])
@@ -345,10 +348,10 @@ def run(loop: Loop, data: np.ndarray, windows: int) -> dict[str, Any]:
   host = time.perf_counter() - start
   in_flight = sum(not v.is_ready() for v in values)
   jax.block_until_ready((carry, values))
-  total = time.perf_counter() - start
+  total, cpu = time.perf_counter() - start, time.process_time() - cpu_start
   loop.carry, loop.next_call = carry, first + calls
-  return {"host_s": host, "total_s": total, "calls": calls, "in_flight": in_flight,
-          "samples_per_s": calls * s / total}
+  return {"host_s": host, "total_s": total, "cpu_s": cpu, "calls": calls,
+          "in_flight": in_flight, "samples_per_s": calls * s / total}
 
 
 def compiled_count(loop: Loop) -> int | None:
@@ -434,6 +437,9 @@ def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
       "samples_per_s": statistics.median(rate),
       "samples_per_s_quartiles": quartiles(rate),
       "host_ms_per_call": 1e3 * statistics.median(r["host_s"] / r["calls"] for r in runs),
+      # The process's CPU time (the host's thread and the runtime's): on a CPU shared
+      # with other work, the work a call took, which the wall clock's waits do not blur.
+      "cpu_ms_per_call": 1e3 * statistics.median(r["cpu_s"] / r["calls"] for r in runs),
       "total_ms": 1e3 * statistics.median(r["total_s"] for r in runs),
       "in_flight": statistics.median(r["in_flight"] for r in runs),
       "calls_per_round": calls,
@@ -467,12 +473,13 @@ def tables(results: dict[str, dict[str, Any]]) -> dict[str, str]:
       if door not in doors(name):
         continue
       if "samples_per_s" not in entry:
-        rows.append([name, entry["status"].split(":")[0]] + ["-"] * 8)
+        rows.append([name, entry["status"].split(":")[0]] + ["-"] * 9)
         continue
       counts = entry["micro_step"]
       rows.append([
           name, f"{entry['samples_per_s']:.1f}", f"{entry['ratio'][door]:.3f}",
-          f"{entry['host_ms_per_call']:.3f}", f"{entry['total_ms']:.1f}",
+          f"{entry['host_ms_per_call']:.3f}", f"{entry['cpu_ms_per_call']:.3f}",
+          f"{entry['total_ms']:.1f}",
           f"{entry['in_flight']:g} of {entry['calls_per_round']}",
           "yes" if entry["ran_ahead"] else "no",
           f"{counts['buffers_in']} / {counts['buffers_out']}", counts["fusions"],
@@ -480,7 +487,7 @@ def tables(results: dict[str, dict[str, Any]]) -> dict[str, str]:
     if not rows:
       continue
     out[door] = markdown_table(
-        ["loop", "samples/s", f"/ {reference}", "host ms / call", "round ms",
+        ["loop", "samples/s", f"/ {reference}", "host ms / call", "CPU ms / call", "round ms",
          "in flight at last dispatch", "ran ahead", "buffers in / out", "fusions",
          "compile s (programs)"], rows)
   return out
@@ -540,7 +547,9 @@ def print_report(results: dict[str, dict[str, Any]]) -> None:
   for door, table in tables(results).items():
     print(f"\n{door}: samples (sequences) per second, median of the rounds; / floor: the"
           " median of the rounds' ratios; host ms / call: the host's time from the loop's"
-          " start to its last dispatch, per call; in flight: calls whose loss was not ready"
+          " start to its last dispatch, per call; CPU ms / call: the process's CPU time (all"
+          " its threads) from the start until all is ready, per call; in flight: calls whose"
+          " loss was not ready"
           " at the last dispatch; buffers and fusions: of the programs a call that only"
           " accumulates dispatches (a call's, inside a step)")
     print(table)
@@ -553,15 +562,15 @@ def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true",
                       help="a smoke run: on a CPU 1 layer, 3 rounds of 2 windows")
-  parser.add_argument("--rounds", type=int, default=None, help="rounds (default 30; --quick 3)")
+  parser.add_argument("--rounds", type=int, default=None, help="rounds (default 60; --quick 3)")
   parser.add_argument("--windows", type=int, default=None,
-                      help="windows of 8 microbatches per loop and round (default 4; --quick 2)")
+                      help="windows of 8 microbatches per loop and round (default 2)")
   parser.add_argument("--micro", type=int, default=1, help="sequences a microbatch (default 1)")
   parser.add_argument("--name", default=None,
                       help="results bench/results/<name>.json (default loop, or loop_quick)")
   args = parser.parse_args(argv)
-  rounds = args.rounds or (3 if args.quick else 30)
-  windows = args.windows or (2 if args.quick else 4)
+  rounds = args.rounds or (3 if args.quick else 60)
+  windows = args.windows or 2
   if min(rounds, windows, args.micro) < 1:
     parser.error("--rounds, --windows and --micro must be >= 1")
   rows = 16 * EVERY_K  # sequences of the host array, per sequence of a microbatch
@@ -576,8 +585,9 @@ def main(argv: list[str] | None = None) -> int:
   print(f"the training loop, every_k={EVERY_K}, {args.micro} sequence(s) a microbatch,"
         f" {leaves} parameter leaves ({model}); {rounds} rounds of {windows} window(s) per"
         " loop, interleaved; data sliced from a host NumPy array each call", flush=True)
+  start = environment()
   results = measure(loss, params, data, micro=args.micro, rounds=rounds, windows=windows)
-  report = {"environment": environment(), "commit": git_commit(), "rounds": rounds,
+  report = {"environment": start, "commit": git_commit(), "rounds": rounds,
             "windows": windows, "every_k": EVERY_K, "micro": args.micro, "leaves": leaves,
             "model": model, "loops": results}
   print_report(results)
