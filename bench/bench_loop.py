@@ -23,7 +23,10 @@ Across calls (``every_k`` = 8; each call the gradient of one microbatch):
   gradient compiled once, the update twice: three small programs);
 - ``accumulate(adamw)`` with ``apply`` left out (the device schedule: one
   program, a kept conditional); ``optax.MultiSteps(adamw, 8)``;
-- the full batch of 8 microbatches in one plain AdamW step (where it fits).
+- the full batch of 8 microbatches in one plain AdamW step (where it fits);
+- a control: the modulo loop with AdamW's state handed to the micro-step and back
+  untouched (the floor's program, with the buffers an Optax transformation's
+  state brings to every call).
 
 Inside a step (each call the whole batch of 8 microbatches): a hand-written
 ``lax.scan`` over the microbatches + AdamW (floor), ``accum_jax.value_and_grad(loss,
@@ -88,6 +91,7 @@ DEVICE = "accumulate(adamw), device schedule"
 MULTISTEPS = "optax.MultiSteps(adamw)"
 FULL = "full batch of 8, AdamW"
 OWN_JIT = "accumulate(adamw), HostSchedule, update in its own jit"
+FLOOR_WITH_STATE = "modulo loop, AdamW state through the micro-step"
 SCAN = "hand-written lax.scan + AdamW (floor)"
 VALUE_AND_GRAD = "accum_jax.value_and_grad + AdamW"
 
@@ -153,19 +157,29 @@ def _init(init: Callable, params: Any) -> Any:
 
 
 def modulo_floor(loss: Callable, params: Any, tokens: np.ndarray,
-                 inner: optax.GradientTransformation) -> Loop:
+                 inner: optax.GradientTransformation, *, state_through: bool = False) -> Loop:
   """A careful user's loop: a micro-step that knows nothing of the optimizer, and an
-  applying step, chosen on the host by the call's number."""
+  applying step, chosen on the host by the call's number. ``state_through``: the
+  optimizer's state handed to the micro-step too, and back untouched, as an Optax
+  transformation's update is handed its whole state (a control: the same program,
+  more buffers a call)."""
+
+  def gradient_and_add(params, acc, tokens):
+    value, grads = jax.value_and_grad(loss)(params, tokens)
+    return _add(acc, grads), value
 
   @functools.partial(jax.jit, donate_argnums=(0, 1))
   def micro_step(params, acc, tokens):
-    value, grads = jax.value_and_grad(loss)(params, tokens)
-    return params, _add(acc, grads), value
+    return params, *gradient_and_add(params, acc, tokens)
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1, 2))
+  def micro_step_with_state(params, acc, opt_state, tokens):
+    acc, value = gradient_and_add(params, acc, tokens)
+    return params, acc, opt_state, value
 
   @functools.partial(jax.jit, donate_argnums=(0, 1, 2))
   def apply_step(params, acc, opt_state, tokens):
-    value, grads = jax.value_and_grad(loss)(params, tokens)
-    acc = _add(acc, grads)
+    acc, value = gradient_and_add(params, acc, tokens)
     mean = jax.tree.map(lambda a, p: (a / EVERY_K).astype(p.dtype), acc, params)
     updates, opt_state = inner.update(mean, opt_state, params)
     return optax.apply_updates(params, updates), _zeros32(params), opt_state, value
@@ -174,12 +188,16 @@ def modulo_floor(loss: Callable, params: Any, tokens: np.ndarray,
     params, acc, opt_state = carry
     if (call + 1) % EVERY_K == 0:
       params, acc, opt_state, value = apply_step(params, acc, opt_state, tokens)
+    elif state_through:
+      params, acc, opt_state, value = micro_step_with_state(params, acc, opt_state, tokens)
     else:
       params, acc, value = micro_step(params, acc, tokens)
     return (params, acc, opt_state), value
 
   acc, opt_state = _init(_zeros32, params), _init(inner.init, params)
-  programs = {"micro-step": (micro_step, (params, acc, tokens), {}),
+  micro = ((micro_step_with_state, (params, acc, opt_state, tokens), {}) if state_through
+           else (micro_step, (params, acc, tokens), {}))
+  programs = {"micro-step": micro,
               "applying step": (apply_step, (params, acc, opt_state, tokens), {})}
   return Loop(len(tokens), EVERY_K, step, (params, acc, opt_state), programs,
               ("micro-step",))
@@ -298,6 +316,7 @@ def loop_builders(loss: Callable) -> dict[str, Callable[[Any, np.ndarray], Loop]
           accum_jax.value_and_grad(loss, num_microbatches=EVERY_K), p, batch(t), adamw),
       FULL: lambda p, t: whole_batch(jax.value_and_grad(loss), p, batch(t), adamw),
       OWN_JIT: lambda p, t: update_in_own_jit(accumulate(), loss, p, t),
+      FLOOR_WITH_STATE: lambda p, t: modulo_floor(loss, p, t, adamw, state_through=True),
   }
 
 
