@@ -20,8 +20,8 @@ class Budget:
   SHARES = {"memory": 0.4, "step": 0.75, "across_calls": 0.85, "loop": 0.92, "fit": 1.0}
   # --quick: the inside-step pairs, then across calls, both doors in one table, then
   # the training loop.
-  # On an H200 (245 s): the pairs 8x1 and 8x4, the four rows of the across-calls
-  # figures, the loop's first six.
+  # By the times of a run on an H200 (245 s): the pairs 8x1 and 8x4, the four rows
+  # of the across-calls figures, the loop's first six loops.
   QUICK_SHARES = {"step": 0.36, "across_calls": 0.54, "loop": 0.93}
 
   def __init__(self, seconds: float, shares: dict[str, float] | None = None):
