@@ -18,6 +18,9 @@ the tables and writes the JSON; each section lives in its own module:
   and the rows of ``--quick`` below;
 - ``gpu_fit.py``: the largest full batch that fits (on a GPU, or with ``--fit``),
   then a batch ``--fit-factor`` times as large, microbatched;
+- ``bench_loop.py``: the training loop users run (``--quick``, or ``--sections
+  loop``): many calls, each handed a fresh slice of a host NumPy array, nothing
+  blocked on until the end; samples per second against the hand-written loops';
 - ``gpu_tables.py``: the full run's tables; ``gpu_records.py``: --quick's one
   table of both doors, and an earlier run's figures beside it (``--compare``);
 - ``gpu_budget.py``: ``--budget`` (seconds, default 540) stops starting new
@@ -25,8 +28,8 @@ the tables and writes the JSON; each section lives in its own module:
   10-minute job; ``gpu_failures.py``: a configuration that runs out of memory is
   recorded as OOM and the run goes on.
 
-``--quick``, the GPU check in one call (under 4 minutes on one GPU, ``--budget``
-215 s): one table for both doors, no memory workers, no compilation cache (compile
+``--quick``, the GPU check in one call (under 4.5 minutes on one GPU, ``--budget``
+245 s): one table for both doors, no memory workers, no compilation cache (compile
 times are figures of the check) and no fit. Inside a step, at N x micro of 8x1,
 8x4 and 16x1: the default ``value_and_grad``, ``on_nonfinite="skip_microbatch"``,
 ``on_nonfinite="unchecked"``, the hand-written scan and the full batch, with step time,
@@ -40,8 +43,14 @@ on 7 calls, ``apply=True`` on the 8th: two compiled programs) and on the device
 schedule (``apply`` left out), a hand-written ``lax.cond`` accumulator, a plain
 AdamW step, ``optax.MultiSteps(adamw)`` and ``accumulate(optax.flatten(adamw))``
 on the host schedule. Micro-steps are set against the interface's floor, windows
-against MultiSteps'. ``--compare PATH`` puts the figures of an earlier run's JSON
-beside the rows it has, naming its card and commit.
+against MultiSteps'. Then the training loop (``bench_loop.py``), a few rounds of 2
+windows of 8 sequences: across calls the hand-written two-jit modulo loop (the
+floor), ``accumulate(adamw)`` with ``apply=HostSchedule.next()`` (also with
+``on_nonfinite="unchecked"``, and around ``optax.flatten(adamw)``), the device schedule,
+``optax.MultiSteps``; inside a step the hand-written scan and ``value_and_grad``,
+each + AdamW, a batch of 8 sequences a call; then the full batch and the update in
+a jit of its own, as the budget allows. ``--compare PATH`` puts the figures of an
+earlier run's JSON beside the rows it has, naming its card and commit.
 
 Run from the repository root::
 
@@ -68,6 +77,9 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax  # noqa: E402
 from _common import RESULTS_DIR, environment, git_commit, tree_nbytes, write_json  # noqa: E402
+from bench_loop import host_tokens  # noqa: E402
+from bench_loop import measure as measure_loops  # noqa: E402
+from bench_loop import print_report as print_loop_report  # noqa: E402
 from gpu_across import measure_across_calls, measure_quick_across  # noqa: E402
 from gpu_budget import Budget  # noqa: E402
 from gpu_fit import measure_fit  # noqa: E402
@@ -101,8 +113,9 @@ def _parser() -> argparse.ArgumentParser:
   parser.add_argument("--tiny-off-gpu", action="store_true",
                       help="GPT-2 small on a GPU, the --tiny configuration elsewhere")
   parser.add_argument("--quick", action="store_true",
-                      help="the GPU check, both doors in one table, in under 4 minutes:"
-                      " N x micro of 8x1, 8x4 and 16x1, then across calls; no memory workers")
+                      help="the GPU check, both doors in one table, in under 4.5 minutes:"
+                      " N x micro of 8x1, 8x4 and 16x1, across calls, the training loop;"
+                      " no memory workers")
   parser.add_argument("--compare", default=None, metavar="PATH",
                       help="a JSON of this script (e.g. an earlier card or commit): its figures"
                       " beside today's where the rows match")
@@ -122,14 +135,14 @@ def _parser() -> argparse.ArgumentParser:
                       help="largest full batch tried (default 512; --tiny 64)")
   parser.add_argument("--fit-factor", type=int, default=4,
                       help="the microbatched batch is this many times the largest (default 4)")
-  parser.add_argument("--sections", nargs="+", choices=("step", "across_calls", "fit"),
-                      default=["step", "across_calls", "fit"], help="what to run (default all;"
-                      " fit only on a GPU or with --fit)")
+  parser.add_argument("--sections", nargs="+", choices=("step", "across_calls", "loop", "fit"),
+                      default=None, help="what to run (default step across_calls fit, fit only"
+                      " on a GPU or with --fit; --quick: step across_calls loop)")
   parser.add_argument("--attention", choices=("auto", "cudnn", "xla", "manual"), default="auto",
                       help="auto: cuDNN's fused kernel on a GPU where it compiles, else XLA's")
   parser.add_argument("--budget", type=float, default=None,
                       help="seconds after which no new configuration starts (0: no limit;"
-                      " default 540, --quick 215)")
+                      " default 540, --quick 245)")
   parser.add_argument("--jobs", type=int, default=None,
                       help="memory workers at once (default 2 on CPU, 1 on GPU)")
   parser.add_argument("--worker-timeout", type=float, default=300,
@@ -175,6 +188,8 @@ def _start(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Run:
     print(f"no GPU ({platform}): the --tiny configuration")
     args.tiny = True
   model = TINY if args.tiny else GPT2_SMALL
+  if args.sections is None:
+    args.sections = ["step", "across_calls", "loop" if args.quick else "fit"]
   if args.quick:
     # Compile times are figures of the check: no cache may answer for a compile.
     args.no_memory = True
@@ -189,7 +204,7 @@ def _start(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Run:
   name = args.name or ("gpu_check" if args.quick else "gpu_quick" if args.tiny else "gpu")
   if args.quick and args.tiny and not args.name:
     name = "gpu_check_tiny"
-  seconds = args.budget if args.budget is not None else (215 if args.quick else 540)
+  seconds = args.budget if args.budget is not None else (245 if args.quick else 540)
   budget = Budget(seconds, Budget.QUICK_SHARES if args.quick else None)
   before = json.loads(Path(args.compare).read_text()) if args.compare else None
 
@@ -232,7 +247,7 @@ def _start(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Run:
       "grad_rtol": GRAD_RTOL,
       "loss_rtol": LOSS_RTOL,
   }
-  output = {"config": config, "results": [], "across_calls": [], "fit": None}
+  output = {"config": config, "results": [], "across_calls": [], "loop": {}, "fit": None}
   return Run(args=args, model=model, on_gpu=on_gpu, ns=ns, pairs=pairs, rounds=rounds,
              fit_cap=fit_cap, name=name, budget=budget, output=output, before=before)
 
@@ -290,6 +305,25 @@ def _quick_across_section(run: Run, loss: Any, params: Any) -> None:
       params, loss, make_tokens(1, run.model, seed=1), every_k=8, rounds=run.rounds,
       budget=run.budget)}
   run.save()
+
+
+# The loop section: rounds of LOOP_WINDOWS windows of 8 calls (one sequence each) per loop.
+LOOP_ROUNDS = 5
+LOOP_WINDOWS = 2
+
+
+def _loop_section(run: Run, loss: Any, params: Any) -> None:
+  rounds = min(run.rounds, LOOP_ROUNDS)
+  print(f"\nthe training loop, every_k=8, one sequence a call from a host NumPy array,"
+        f" {rounds} rounds of {LOOP_WINDOWS} windows:", flush=True)
+  run.config["loop"] = {"rounds": rounds, "windows": LOOP_WINDOWS, "micro": 1}
+  data = host_tokens(16 * 8, run.model.context, run.model.vocab, seed=2)
+  run.output["loop"] = measure_loops(loss, params, data, micro=1, rounds=rounds,
+                                     windows=LOOP_WINDOWS,
+                                     should_start=lambda: run.budget.left("loop"))
+  run.save()
+  if not run.args.quick:  # --quick prints them beside its one table
+    print_loop_report(run.output["loop"])
 
 
 def _across_section(run: Run, params: Any) -> None:
@@ -359,6 +393,8 @@ def main(argv: list[str] | None = None) -> int:
     _quick_across_section(run, loss, params)
   if "across_calls" in sections and not run.args.quick:
     _across_section(run, params)
+  if "loop" in sections:
+    _loop_section(run, loss, params)
   if config["fit"]:
     _fit_section(run, loss, params)
   return _finish(run)

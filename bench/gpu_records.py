@@ -4,7 +4,9 @@ A run's JSON, of this script's version or an earlier one, is read as records
 (door, case, row, reference row, time, compile time, static memory); each record's
 ratios are to its reference's figures in the same run: inside a step to the
 hand-written scan's; across calls, a micro-step to the interface's floor's and a
-window to MultiSteps'. :func:`goals` picks the headline figures.
+window to MultiSteps'; the training loop's time per window of 8 microbatches to
+the hand-written loop's of its door (``bench_loop.REFERENCE``). :func:`goals` picks
+the headline figures.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+import bench_loop
 from _common import markdown_table
 from gpu_across import (
     DEVICE,
@@ -42,6 +45,8 @@ STANDALONE_CASES = {
 }
 # Method names of earlier JSON (bench_gpu.py before --quick) in today's rows.
 LEGACY_ROWS = {ACCUM: DEFAULT, SCAN: SCAN, FULL: FULL}
+# The training loop, per door: its time per 8 microbatches, at the median samples/s.
+LOOP_CASES = {ACROSS: "the loop, window of 8", INSIDE: "the loop, batch of 8"}
 
 
 def _record(door: str, case: str, row: str, ref: str, entry: dict[str, Any],
@@ -67,6 +72,14 @@ def records_of(output: dict[str, Any]) -> list[dict[str, Any]]:
     for name, entry in results.items():
       for case, (key, ref) in cases.items():
         records.append(_record(ACROSS, case, name, ref, entry, key))
+  for name, entry in (output.get("loop") or {}).items():
+    for door in bench_loop.doors(name):
+      record = _record(door, LOOP_CASES[door], name, bench_loop.REFERENCE[door], entry,
+                       "window_ms")
+      record["compile_s"] = entry.get("compile_total_s")
+      # Samples per second against the reference's: the median of the rounds' ratios.
+      record["rate_ratio"] = (entry.get("ratio") or {}).get(door)
+      records.append(record)
   for entry in output.get("across_calls") or []:  # the full run's accumulate / MultiSteps
     if entry.get("status") != "ok" or entry["every_k"] != 8:
       continue
@@ -131,7 +144,10 @@ def goals(records: list[dict[str, Any]]) -> list[list[str]]:
   Inside a step, the default against the scan (issues 27 and 28); across calls,
   in the step users write, both schedules' micro-steps against the interface's
   floor and the host schedule's window against MultiSteps', then the same with the
-  inner state packed by ``optax.flatten``.
+  inner state packed by ``optax.flatten``; then the training loop's samples per
+  second against the hand-written loops' (the median of the rounds' ratios):
+  ``HostSchedule``'s at least 0.95 of the two-jit modulo loop's, 0.98 with
+  ``on_nonfinite="unchecked"``.
   """
   by_key = _ratios(records)
   out = []
@@ -147,6 +163,16 @@ def goals(records: list[dict[str, Any]]) -> list[list[str]]:
     b = by_key.get((ACROSS, case, ref), {}).get("ms")
     return _cell(a / b if a is not None and b else None, digits=3)
 
+  def loop(row: str, door: str = ACROSS) -> str:
+    return _cell(by_key.get((door, LOOP_CASES[door], row), {}).get("rate_ratio"), digits=3)
+
+  loop_goals = [
+      [f"{row} loop / {bench_loop.FLOOR}, samples/s", loop(row), goal]
+      for row, goal in ((bench_loop.HOST, ">= 0.95"), (bench_loop.HOST_NO_SKIP, ">= 0.98"),
+                        (bench_loop.FLATTEN, "-"), (bench_loop.DEVICE, "-"),
+                        (bench_loop.MULTISTEPS, "-"), (bench_loop.FLOOR_WITH_STATE, "-"))
+  ] + [[f"{bench_loop.VALUE_AND_GRAD} loop / {bench_loop.SCAN}, samples/s",
+        loop(bench_loop.VALUE_AND_GRAD, INSIDE), "-"]]
   return out + [
       [f"{HOST} / interface's floor, {MICRO_STEP}", across(MICRO_STEP, HOST, FLOOR), "-"],
       [f"{DEVICE} / interface's floor, {MICRO_STEP}", across(MICRO_STEP, DEVICE, FLOOR), "-"],
@@ -154,7 +180,7 @@ def goals(records: list[dict[str, Any]]) -> list[list[str]]:
       [f"{FLATTEN_HOST} / interface's floor, {MICRO_STEP}",
        across(MICRO_STEP, FLATTEN_HOST, FLOOR), "-"],
       [f"{FLATTEN_HOST} / {HOST}, {WINDOW}", across(WINDOW, FLATTEN_HOST, HOST), "-"],
-  ]
+  ] + loop_goals
 
 
 def print_quick(output: dict[str, Any], before: dict[str, Any] | None,
@@ -166,7 +192,13 @@ def print_quick(output: dict[str, Any], before: dict[str, Any] | None,
         " of its program that applies).\nx ref: to lax.scan at the same N x micro; micro-steps"
         f" to '{FLOOR}'; windows to '{MULTISTEPS_ADAMW}'; '+ gradient': the gradient of one"
         " sequence in the same jit as the update; host schedule: apply=False on 7 calls,"
-        " apply=True on the 8th, two compiled programs")
+        " apply=True on the 8th, two compiled programs; the loop: ms per 8 microbatches at"
+        " the median samples/s of calls dispatched without blocking, to"
+        f" '{bench_loop.FLOOR}' across calls and '{bench_loop.SCAN}' inside a step, compile s"
+        " of all of a loop's programs")
+  if output.get("loop"):
+    bench_loop.print_report(output["loop"])
+    print()
   if before is not None:
     print(f"now: {source_label(output)}; before: {source_label(before, before_path)}")
   print(one_table(records, records_of(before) if before is not None else None))

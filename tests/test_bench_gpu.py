@@ -179,7 +179,7 @@ def test_the_quick_check_puts_both_doors_in_one_table_beside_an_earlier_run() ->
   # Across calls, a window of 2 calls: the rows of the figures below.
   host, device, floor = gpu_across.HOST, gpu_across.DEVICE, gpu_across.FLOOR
   names = (floor, host, gpu_across.MULTISTEPS_ADAMW)
-  assert len(gpu_across.across_candidates(2)) == 8 and set(names) | {device} <= set(
+  assert len(gpu_across.across_candidates(2)) == 9 and set(names) | {device} <= set(
       gpu_across.across_candidates(2))
   small_loss, small_params, x = _small_problem()
   across = gpu_across.measure_quick_across(small_params, small_loss, x, every_k=2, rounds=1,
@@ -267,3 +267,37 @@ def test_the_hand_written_floor_updates_on_the_kth_call_only() -> None:
   second, state = floor.update(first, state, grads, None)
   assert (second["w"] == 0.5).all() and second["b"] == -1, second  # params - mean of 2 grads
   assert (state[1]["w"] == 0).all() and state[1]["b"] == 0  # the accumulator reset
+
+
+def test_the_loop_s_figures_join_the_one_table_and_the_goals() -> None:
+  gpu_records = _bench("records")
+  import bench_loop  # noqa: E402  (bench/ is on the path now)
+
+  def loop(rate: float, ratios: dict[str, float]) -> dict:
+    return {"status": "ok", "samples_per_s": rate, "window_ms": 8e3 / rate,
+            "compile_total_s": 2.0, "ratio": ratios}
+
+  output = {"loop": {
+      bench_loop.FLOOR: loop(100.0, {"across calls": 1.0}),
+      bench_loop.HOST: loop(90.0, {"across calls": 0.93}),
+      bench_loop.SCAN: loop(200.0, {"inside a step": 1.0}),
+      bench_loop.VALUE_AND_GRAD: loop(190.0, {"inside a step": 0.96}),
+      bench_loop.FULL: loop(400.0, {"across calls": 4.1, "inside a step": 2.05}),
+      bench_loop.MULTISTEPS: {"status": "skipped (budget)"},
+  }}
+  records = gpu_records.records_of(output)
+  cells = _cells(gpu_records.one_table(records))
+  host = cells["across calls", "the loop, window of 8", bench_loop.HOST]
+  assert host[3:5] == ["88.889", "1.111"], host  # ms per window; to the floor's
+  # The full batch in both doors' rows, each to its own reference.
+  assert cells["inside a step", "the loop, batch of 8", bench_loop.FULL][3:5] == [
+      "20.000", "0.500"]
+  assert cells["across calls", "the loop, window of 8", bench_loop.MULTISTEPS][3] == (
+      "skipped (budget)")
+  figures = {g[0]: g[1:] for g in gpu_records.goals(records)}
+  # Samples per second: the median of the rounds' ratios, as bench_loop reports it.
+  assert figures[f"{bench_loop.HOST} loop / {bench_loop.FLOOR}, samples/s"] == ["0.930", ">= 0.95"]
+  assert figures[f"{bench_loop.HOST_NO_SKIP} loop / {bench_loop.FLOOR}, samples/s"] == [
+      "-", ">= 0.98"]
+  assert figures[f"{bench_loop.VALUE_AND_GRAD} loop / {bench_loop.SCAN}, samples/s"][0] == (
+      "0.960")
