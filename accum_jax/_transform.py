@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from accum_jax import _core, _inner_checks, _noise, _options, _update_args
+from accum_jax import _core, _inner_checks, _noise, _options, _packing, _update_args
 from accum_jax._schedules import ConstantEveryK, EveryKSchedule, WindowSchedule, check_every_k
 from accum_jax._state import AccumulationState
 
@@ -81,6 +81,7 @@ class _Options(NamedTuple):
   accumulator_dtype: Any
   on_nonfinite: str  # one of _update_args.ON_NONFINITE
   skip_fn: ShouldSkipUpdateFunction
+  pack_inner_state: bool  # the inner state kept as one vector per dtype (_packing)
 
 
 class _Call(NamedTuple):
@@ -124,7 +125,7 @@ class _Inner(NamedTuple):
 
 def _make_options(
     inner, every_k, *, reduction, accumulator_dtype, on_nonfinite, should_skip_update_fn,
-    every_k_name, gradient_noise,
+    every_k_name, gradient_noise, pack_inner_state=False,
 ) -> _Options:
   by_noise = every_k if isinstance(every_k, _noise.NoiseScaleSchedule) else None
   schedule = None if by_noise else check_every_k(every_k, every_k_name)
@@ -140,6 +141,7 @@ def _make_options(
       on_nonfinite=_core.check_on_nonfinite(
           on_nonfinite, _update_args.ON_NONFINITE, "accumulate"),
       skip_fn=should_skip_update_fn or _no_skip,
+      pack_inner_state=_update_args.check_flag(pack_inner_state, "pack_inner_state"),
   )
 
 
@@ -156,7 +158,7 @@ def _init(options: _Options, params: Any) -> AccumulationState:
   return AccumulationState(
       accumulator=_empty_window(options, grads_like),
       optimizer_step=jnp.zeros((), jnp.int32),
-      inner_opt_state=_sharded_like(inner_state, params),
+      inner_opt_state=_stored_inner_state(options, _sharded_like(inner_state, params), params),
       last_updated=jnp.array(False),
       num_empty_windows=jnp.zeros((), jnp.int32),
       value_accumulator=_core.init(jnp.zeros((), jnp.float32), jnp.float32),
@@ -170,6 +172,19 @@ def _init(options: _Options, params: Any) -> AccumulationState:
 def _empty_window(options: _Options, grads_like: Any) -> _core.Accumulator:
   """The empty accumulator, of the gradient's tree."""
   return _core.init(grads_like, options.accumulator_dtype, _kinds(options, grads_like))
+
+
+def _stored_inner_state(options: _Options, inner_state: Any, params: Any) -> Any:
+  """The inner state as the state keeps it: packed with ``pack_inner_state``."""
+  if not options.pack_inner_state:
+    return inner_state
+  _update_args.check_packable(params)
+  return _packing.pack(inner_state)
+
+
+def _inner_tree(stored: Any) -> Any:
+  """The inner optimizer's own tree of a stored inner state."""
+  return stored.unpack() if isinstance(stored, _packing.Packed) else stored
 
 
 def _sharded_like(tree: Any, params: Any) -> Any:
@@ -375,9 +390,13 @@ def _emit(options, call, window, inner_state, acc, value_window, last_noise, car
 
   def update(inner_state, last_noise):
     del last_noise
-    new_updates, new_inner_state = _inner_update(options, call, inner_state, acc, value_window)
+    tree = _inner_tree(inner_state)
+    new_updates, new_tree = _inner_update(options, call, tree, acc, value_window)
     window_noise = _window_noise(window.noise, acc, call) if options.track_noise else ()
-    return _cast_like(new_updates, carrier), _cast_like(new_inner_state, inner_state), window_noise
+    new_tree = _cast_like(new_tree, tree)
+    if isinstance(inner_state, _packing.Packed):
+      new_tree = _packing.repack(inner_state, new_tree)
+    return _cast_like(new_updates, carrier), new_tree, window_noise
 
   def refuse(inner_state, last_noise):
     return carrier, inner_state, last_noise
@@ -439,7 +458,7 @@ def _step_inner(options, call, state, window) -> _Inner:
   # The shapes and dtypes of the inner update (an abstract trace; nothing is computed).
   update_shapes, _ = jax.eval_shape(
       functools.partial(_inner_update, options, call),
-      state.inner_opt_state, window.accumulator, window.value_accumulator,
+      _inner_tree(state.inner_opt_state), window.accumulator, window.value_accumulator,
   )
   step = _device_step if call.apply is None else _host_step
   return step(options, call, state, window, update_shapes)
@@ -547,11 +566,13 @@ def _accumulate(
     should_skip_update_fn: ShouldSkipUpdateFunction | None = None,
     every_k_name: str = "every_k",
     gradient_noise: bool = False,
+    pack_inner_state: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   options = _make_options(
       inner, every_k, reduction=reduction, accumulator_dtype=accumulator_dtype,
       on_nonfinite=on_nonfinite, should_skip_update_fn=should_skip_update_fn,
       every_k_name=every_k_name, gradient_noise=gradient_noise,
+      pack_inner_state=pack_inner_state,
   )
 
   def init_fn(params):
@@ -627,6 +648,7 @@ def accumulate(
     accumulator_dtype: Any = jnp.float32,
     on_nonfinite: str = "skip_window",
     gradient_noise: bool = False,
+    pack_inner_state: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   """Accumulates gradients over ``every_k`` calls, then runs ``inner`` once.
 
@@ -664,6 +686,13 @@ def accumulate(
       :func:`accum_jax.value_and_grad`'s (:doc:`/two_doors`).
     gradient_noise: estimate the gradient noise from the calls' gradients, read
       with :func:`accum_jax.noise.last_window`.
+    pack_inner_state: keep the inner optimizer's state as one vector per dtype
+      between windows (``state.inner_opt_state.unpack()`` reads its tree): a call
+      that only adds passes AdamW's state as one buffer instead of two per
+      parameter, which is what limits a training loop's speed on a GPU (each
+      buffer costs the host its dispatch; see :doc:`/guides/gpu`). The inner
+      optimizer still sees its own tree: no arithmetic changes. For parameters on
+      one device or replicated; sharded ones are refused at ``init``.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose ``update(grads, state,
@@ -694,4 +723,5 @@ def accumulate(
       accumulator_dtype=accumulator_dtype,
       on_nonfinite=on_nonfinite,
       gradient_noise=gradient_noise,
+      pack_inner_state=pack_inner_state,
   )

@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from accum_jax import _core
+
 
 def check_tree_matches(grads: Any, like: Any) -> None:
   structure: Any = jax.tree.structure(grads)
@@ -29,6 +31,24 @@ def check_tree_matches(grads: Any, like: Any) -> None:
           f" {jnp.shape(g)} but the parameter has shape {jnp.shape(t)}. Pass"
           " gradients with the parameters' shapes."
       )
+
+
+def check_flag(value: Any, name: str) -> bool:
+  if not isinstance(value, (bool, np.bool_)):
+    raise ValueError(f"{name}={value!r} must be True or False.")
+  return bool(value)
+
+
+def check_packable(params: Any) -> None:
+  """``pack_inner_state=True`` with parameters whose placement shows them sharded
+  over several devices: refused, since a packed vector cannot be sharded like them."""
+  for path, p in jax.tree.leaves_with_path(params):
+    if _core.is_sharded(p):
+      raise ValueError(
+          f"pack_inner_state=True keeps the inner optimizer's state as one vector per"
+          f" dtype, which cannot be sharded like the parameter at"
+          f" {jax.tree_util.keystr(path)}: pass pack_inner_state=False for sharded"
+          " parameters (their optimizer state then stays sharded like them).")
 
 
 def check_weight(weight: Any) -> None:

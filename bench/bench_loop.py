@@ -17,8 +17,10 @@ Across calls (``every_k`` = 8; each call the gradient of one microbatch):
   applying step (the gradient, the add, AdamW on the mean, ``apply_updates`` and a
   zeroed accumulator);
 - ``accumulate(adamw)`` with ``apply=HostSchedule.next()`` (two programs), by
-  default and with ``on_nonfinite="unchecked"``; ``accumulate(optax.flatten(adamw))``
-  the same way (the inner state packed into one vector: fewer buffers a call);
+  default, with ``on_nonfinite="unchecked"`` and with ``pack_inner_state=True``
+  (AdamW's state kept as one vector per dtype between windows, its arithmetic
+  unchanged: fewer buffers a call); ``accumulate(optax.flatten(adamw))`` the same
+  way (AdamW run on one raveled vector);
 - the same ``accumulate(adamw)`` with the update in a jit of its own (the
   gradient compiled once, the update twice: three small programs);
 - ``accumulate(adamw)`` with ``apply`` left out (the device schedule: one
@@ -87,6 +89,7 @@ FLOOR = "modulo loop, two jits (floor)"
 HOST = "accumulate(adamw), HostSchedule"
 HOST_NO_SKIP = "accumulate(adamw, on_nonfinite='unchecked'), HostSchedule"
 FLATTEN = "accumulate(optax.flatten(adamw)), HostSchedule"
+PACKED = "accumulate(adamw, pack_inner_state=True), HostSchedule"
 DEVICE = "accumulate(adamw), device schedule"
 MULTISTEPS = "optax.MultiSteps(adamw)"
 FULL = "full batch of 8, AdamW"
@@ -306,6 +309,7 @@ def loop_builders(loss: Callable) -> dict[str, Callable[[Any, np.ndarray], Loop]
   return {
       FLOOR: lambda p, t: modulo_floor(loss, p, t, adamw),
       HOST: lambda p, t: host_schedule(accumulate(), loss, p, t),
+      PACKED: lambda p, t: host_schedule(accumulate(pack_inner_state=True), loss, p, t),
       HOST_NO_SKIP: lambda p, t: host_schedule(accumulate(on_nonfinite="unchecked"), loss, p, t),
       FLATTEN: lambda p, t: host_schedule(accumulate(optax.flatten(adamw)), loss, p, t),
       DEVICE: lambda p, t: one_program(accumulate(), loss, p, t),

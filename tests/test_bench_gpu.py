@@ -179,7 +179,7 @@ def test_the_quick_check_puts_both_doors_in_one_table_beside_an_earlier_run() ->
   # Across calls, a window of 2 calls: the rows of the figures below.
   host, device, floor = gpu_across.HOST, gpu_across.DEVICE, gpu_across.FLOOR
   names = (floor, host, gpu_across.MULTISTEPS_ADAMW)
-  assert len(gpu_across.across_candidates(2)) == 9 and set(names) | {device} <= set(
+  assert len(gpu_across.across_candidates(2)) == 8 and set(names) | {device} <= set(
       gpu_across.across_candidates(2))
   small_loss, small_params, x = _small_problem()
   across = gpu_across.measure_quick_across(small_params, small_loss, x, every_k=2, rounds=1,

@@ -376,3 +376,44 @@ def test_the_state_keeps_the_window_sum_or_zeros_after_every_call(host):
     else:
       tree_allclose(total, expected)
   assert int(state.optimizer_step) == 2 and int(state.num_skipped) == K
+
+
+# The inner state packed: a call that only adds passes it as one buffer per dtype.
+
+
+def test_a_packed_inner_state_is_a_few_buffers_and_changes_no_arithmetic():
+  calls = _calls(2 * K)
+  flags = [(i + 1) % K == 0 for i in range(2 * K)]
+  packed = accum_jax.accumulate(optax.adamw(1e-2, weight_decay=0.1), every_k=K,
+                                pack_inner_state=True)
+  tree = _run_host(ADAMW, make_params(), calls, flags)
+  ours = _run_host(packed, make_params(), calls, flags)
+  # The same programs' arithmetic: the parameters agree bit for bit.
+  tree_allclose(ours[0], tree[0], rtol=0, atol=0)
+  tree_allclose(ours[1].inner_opt_state.unpack(), tree[1].inner_opt_state, rtol=0, atol=0)
+  # AdamW's count, moments and the chain's empty states: one int32 and one float32
+  # vector, against three leaves per parameter and the count.
+  leaves = len(jax.tree.leaves(make_params()))
+  assert len(jax.tree.leaves(tree[1].inner_opt_state)) == 2 * leaves + 1
+  assert len(jax.tree.leaves(ours[1].inner_opt_state)) == 2
+  # A call that only adds compiles to the same kernels as the tree's.
+  grads, weight = calls[0]
+  programs = [_step.lower(make_params(), opt.init(make_params()), grads, weight, opt=opt,
+                          apply=False).compile() for opt in (ADAMW, packed)]
+  counts = [opcode_counts(p)["fusion"] for p in programs]
+  assert counts[1] <= counts[0], counts
+
+
+def test_a_packed_inner_state_refuses_sharded_parameters():
+  devices = jax.devices()
+  if len(devices) < 2:
+    pytest.skip("needs several devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+  mesh = jax.make_mesh((len(devices),), ("data",))
+  spec = jax.sharding.PartitionSpec
+  params = {"w": jax.device_put(jnp.ones((len(devices), 3)),
+                                jax.sharding.NamedSharding(mesh, spec("data")))}
+  packed = accum_jax.accumulate(optax.adamw(1e-2), every_k=K, pack_inner_state=True)
+  with pytest.raises(ValueError, match=re.escape("pass pack_inner_state=False for sharded")):
+    packed.init(params)
+  replicated = jax.device_put(params, jax.sharding.NamedSharding(mesh, spec()))
+  assert len(jax.tree.leaves(packed.init(replicated).inner_opt_state)) == 2

@@ -1,0 +1,100 @@
+"""A pytree kept as one vector per dtype: :class:`Packed`.
+
+Each array passed to a jitted call costs the host its dispatch (about 20 us a
+buffer on an H200 machine, 13 us on a 2-core CPU, whatever its size), and an Optax
+transformation is handed its whole state on every call. ``accumulate(...,
+pack_inner_state=True)`` keeps the inner optimizer's state packed: AdamW's two
+moments per parameter become one float32 vector, which a call that only adds
+passes through untouched; the call that applies a window unpacks it, runs the
+inner optimizer on the tree it made, and packs the result. The inner optimizer
+sees its own tree: packing changes no arithmetic.
+
+A leaf that is weakly typed (a Python scalar made an array) is kept as it is:
+a vector cannot hold its weak type.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class _Slot:
+  """Where one leaf lives: in vector ``group`` from ``offset``, or loose (group -1)."""
+
+  group: int
+  offset: int
+  shape: tuple[int, ...]
+  dtype: Any
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["vectors", "loose"],
+                   meta_fields=["treedef", "slots"])
+@dataclasses.dataclass(frozen=True)
+class Packed:
+  """A pytree as one vector per dtype (and its weakly typed leaves as they are).
+
+  Attributes:
+    vectors: one 1-D array per dtype, the leaves of that dtype raveled in order.
+    loose: the leaves that stay leaves (weakly typed).
+    treedef: the tree's structure (static).
+    slots: per leaf, where it lives (static).
+  """
+
+  vectors: tuple[Any, ...]
+  loose: tuple[Any, ...]
+  treedef: Any
+  slots: tuple[_Slot, ...]
+
+  def unpack(self) -> Any:
+    """The tree, each leaf a slice of its vector, reshaped."""
+    loose = iter(self.loose)
+    leaves = [
+        next(loose) if s.group < 0
+        else jax.lax.slice(self.vectors[s.group], (s.offset,),
+                           (s.offset + math.prod(s.shape),)).reshape(s.shape)
+        for s in self.slots
+    ]
+    return jax.tree.unflatten(self.treedef, leaves)
+
+
+def pack(tree: Any) -> Packed:
+  """``tree`` as a :class:`Packed`: its arrays grouped by dtype, in order."""
+  leaves, treedef = jax.tree.flatten(tree)
+  groups: dict[Any, list[Any]] = {}
+  slots, loose = [], []
+  sizes: dict[Any, int] = {}
+  for leaf in leaves:
+    leaf = jnp.asarray(leaf)
+    if getattr(jax.typeof(leaf), "weak_type", False):
+      slots.append(_Slot(-1, 0, leaf.shape, leaf.dtype))
+      loose.append(leaf)
+      continue
+    index = list(groups).index(leaf.dtype) if leaf.dtype in groups else len(groups)
+    offset = sizes.get(leaf.dtype, 0)
+    groups.setdefault(leaf.dtype, []).append(leaf.reshape(-1))
+    sizes[leaf.dtype] = offset + leaf.size
+    slots.append(_Slot(index, offset, leaf.shape, leaf.dtype))
+  vectors = tuple(
+      jnp.concatenate(parts) if len(parts) > 1 else parts[0] for parts in groups.values())
+  return Packed(vectors, tuple(loose), treedef, tuple(slots))
+
+
+def repack(packed: Packed, tree: Any) -> Packed:
+  """``tree`` (of ``packed``'s structure, each leaf cast to its slot's dtype) packed
+  in ``packed``'s slots, so that the state keeps one structure across calls."""
+  new = pack(jax.tree.map(
+      lambda x, s: jax.lax.convert_element_type(x, s.dtype) if s.group >= 0 else x,
+      tree, jax.tree.unflatten(packed.treedef, list(packed.slots))))
+  if new.slots != packed.slots:
+    raise ValueError(
+        "The inner optimizer's update changed its state's leaves (their number, shapes or"
+        " weak types), which pack_inner_state=True cannot keep in place: pass"
+        " pack_inner_state=False.")
+  return new
