@@ -14,9 +14,10 @@ fit in memory; this module streams one through several calls of the train step, 
   for each logical batch (each example drawn with probability q = B / N):
     for each physical batch of it (padded to a fixed size, at least one):
       g, _ = grad_sum(params, batch, mask)   # sum of the clipped per-example gradients
-      updates, state = opt.update(g, state, params, flush=is_last_physical_batch)
+      # apply: a Python bool, static in the jitted step; the host knows the last batch
+      updates, state = opt.update(g, state, params, apply=is_last_physical_batch)
       params = optax.apply_updates(params, updates)
-  # On each flushing call, once: inner((sum of the g + N(0, (sigma * C)^2)) / B).
+  # On each applying call, once: inner((sum of the g + N(0, (sigma * C)^2)) / B).
   # accum_jax.optimizer_step(state) counts the noisy releases, for the accountant.
 
 ``optax.contrib.differentially_private_aggregate`` cannot do this: it adds noise on
@@ -60,8 +61,8 @@ __all__ = (
     "poisson_batches",
 )
 
-# every_k=None: no window length, only flush=True ends a window (a count of calls
-# never reaches it).
+# every_k=None: no window length, only the host's apply=True (or the device
+# schedule's flush=True) ends a window (a count of calls never reaches it).
 _UNBOUNDED = 2**31 - 1
 # Arguments of accumulate's update that accumulate consumes: an inner transformation
 # never receives them, so a noise transformation that does sits outside accumulate.
@@ -287,8 +288,9 @@ def add_gaussian_noise(
   It refuses to run outside :func:`accum_jax.accumulate`, where it would run on every
   call, when it can tell: it raises if its ``update`` receives ``flush=`` or
   ``weight=``, which ``accumulate`` consumes and never passes on (it is then before
-  ``accumulate`` in an ``optax.chain``). :func:`check_state` finds it outside in a
-  whole optimizer state.
+  ``accumulate`` in an ``optax.chain``). A chain given only ``apply=`` (the host
+  schedule) does not show it there: :func:`check_state` finds it outside in a whole
+  optimizer state, whatever the call passes.
 
   Args:
     stddev: the noise's standard deviation, ``noise_multiplier * l2_clip`` for DP-SGD.
@@ -402,24 +404,29 @@ def accumulate_private(
     for each call, with g its gradient:
       if g is not finite: skip it, count it in state.num_skipped
       total += g                                # in accumulator_dtype
-      if calls in window == every_k or flush:   # every_k=None: only flush
+      if apply:                                 # the host's flag, a Python bool
         noise = N(0, (noise_multiplier * l2_clip)^2), key fold_in(key, t)
         update = inner((total + noise) / expected_batch_size)
         t += 1; empty the window                # t is accum_jax.optimizer_step(state)
       else:
         update = 0
 
-  With Poisson sampling the logical batch's size varies, and so does the number of
-  physical batches: leave ``every_k=None`` and pass ``flush=True`` on the last call of
-  each logical batch (:func:`poisson_batches` gives the physical batches, at least one,
-  so that an empty logical batch still releases its noise). With logical batches of a
-  fixed number of calls, pass that number.
+  The host knows which physical batch ends a logical batch, so it says so: pass
+  ``apply=`` (a Python bool, static in the jitted step), ``True`` on that call and
+  ``False`` on the others, which then compile to the gradient sum and one add. With
+  Poisson sampling the logical batch's size varies, and so does the number of
+  physical batches: leave ``every_k=None`` (no window length of its own) and pass
+  ``apply=True`` on the last call of each logical batch (:func:`poisson_batches`
+  gives the physical batches, at least one, so that an empty logical batch still
+  releases its noise). With logical batches of a fixed number of calls, pass that
+  number, and :class:`accum_jax.HostSchedule` gives the flags. Left out, ``apply``
+  hands the decision to the device (``every_k`` counted, or ``flush=True``).
 
   Args:
     inner: the optimizer, e.g. ``optax.sgd(...)`` or ``optax.adam(...)``; it sees the
       noisy mean gradient once per logical batch.
-    every_k: calls per logical batch, a schedule of it, or None: only ``flush=True``
-      ends one.
+    every_k: calls per logical batch, a schedule of it, or None: only
+      ``apply=True`` (or ``flush=True`` on the device schedule) ends one.
     l2_clip: the clipping norm the gradient sums were clipped with.
     noise_multiplier: the noise's standard deviation over ``l2_clip``.
     expected_batch_size: the divisor, ``sampling_rate * dataset_size``.
@@ -428,7 +435,7 @@ def accumulate_private(
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose ``update(grads, state,
-    params=None, *, flush=False, **extra_args)`` is ``accumulate``'s.
+    params=None, *, apply=None, flush=False, **extra_args)`` is ``accumulate``'s.
     :func:`accum_jax.optimizer_step` of its state counts the logical batches applied:
     the steps of the accountant.
 
@@ -443,9 +450,9 @@ def accumulate_private(
     ...     key=jax.random.key(0))
     >>> params = {"w": jnp.zeros(3)}
     >>> state = opt.init(params)
-    >>> step = jax.jit(opt.update)
+    >>> step = jax.jit(opt.update, static_argnames="apply")
     >>> for last in (False, False, True):  # one logical batch in three calls
-    ...   updates, state = step({"w": jnp.ones(3)}, state, params, flush=last)
+    ...   updates, state = step({"w": jnp.ones(3)}, state, params, apply=last)
     >>> int(accum_jax.optimizer_step(state))
     1
   """
@@ -541,7 +548,8 @@ def poisson_batches(
   ``sampling_rate``, independently (the sampling the accountant assumes). Its indices
   are cut into physical batches of ``physical_batch_size``, the last one padded with
   index 0 and mask false; an empty logical batch gives one batch of padding, so that
-  its step still adds noise and counts. Pass ``flush=True`` with the last one.
+  its step still adds noise and counts. Pass ``apply=True`` with the last one
+  (``flush=True`` on the device schedule), ``apply=False`` with the others.
 
   Args:
     rng: the generator that draws the sample.
