@@ -372,7 +372,7 @@ def cached_value_and_grad(
   if parsed.on_nonfinite == "skip_microbatch":
     raise ValueError(
         "cached_value_and_grad does not take on_nonfinite='skip_microbatch': no chunk of a"
-        " batch-coupled loss can be left out. Pass 'step' (the default) or False."
+        " batch-coupled loss can be left out. Pass 'propagate' (the default) or 'unchecked'."
     )
 
   def wrapped(*args, **kwargs):

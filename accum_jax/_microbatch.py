@@ -294,7 +294,7 @@ def _microbatch_out(dev: _Device, index, mb, state, share) -> _trace.Out:
 
 
 def _added_as_is(dev: _Device, out: _trace.Out, acc: _core.Accumulator, x: _Inputs) -> _Decided:
-  """``on_nonfinite="propagate"`` or False: a microbatch's gradient reduced as the
+  """``on_nonfinite="propagate"`` or ``"unchecked"``: a microbatch's gradient reduced as the
   plan says, added as it is (the whole step is judged after the loop, or nothing
   is): the hand-written scan's add, which XLA fuses into the gradient's last
   product. Records whether its loss is finite, not acted on: a scalar per
@@ -427,11 +427,11 @@ def _passes(dev: _Device, start: _Carry, xs: _Inputs):
   only where its sums are not finite. Returns the carry, the stacked per-example
   leaves and, with ``"propagate"``, whether each microbatch's loss is finite.
 
-  With ``"step"`` (the default) and False, one pass that adds every microbatch
+  With ``"propagate"`` (the default) and ``"unchecked"``, one pass that adds every microbatch
   as it is (:func:`_added_as_is`); the step is judged after the loop
   (:func:`_finalise`).
 
-  With ``"microbatch"``, the first pass (:func:`_kept_by_loss`) judges each
+  With ``"skip_microbatch"``, the first pass (:func:`_kept_by_loss`) judges each
   microbatch by its loss alone: a scalar, known before the gradient, so no leaf
   of the gradient waits for the others and nothing in the loop makes a GPU wait
   on the host. A gradient that is NaN or Inf under a finite loss shows in the
