@@ -3,6 +3,7 @@
 import functools
 import inspect
 import re
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -456,4 +457,85 @@ def test_the_readers_of_accumulate_state_refuse_a_multisteps_state():
   _, state = opt.update(params, state, params)
   _, state = opt.update(params, state, params)
   assert bool(opt.has_updated(state)) and int(state.gradient_step) == 1
+
+
+_MIGRATING = Path(__file__).resolve().parents[1] / "docs" / "migrating.md"
+_EITHER = "either, with `skip_not_finite`"
+
+
+def _nan_table_rows() -> dict[tuple[str, str], list[str]]:
+  """docs/migrating.md's table of a NaN mini-step: (optimizer, call) -> the other cells."""
+  text = _MIGRATING.read_text()
+  table = re.search(r"<!-- nan-mini-step-table -->(.*?)<!-- /nan-mini-step-table -->", text,
+                    re.DOTALL)
+  assert table, "docs/migrating.md has no nan-mini-step-table"
+  header, rule, *body = [line for line in table.group(1).splitlines() if line.startswith("|")]
+  assert [c.strip() for c in header.strip("|").split("|")][:2] == ["optimizer", "after call"]
+  rows = {}
+  for line in body:
+    cells = [c.strip() for c in line.strip().strip("|").split("|")]
+    rows[cells[0], cells[1]] = cells[2:]
+  return rows
+
+
+def _describe(params, initial, acc_grads, mini_step, gradient_step, skip_state, named):
+  """One row of the table: what each field became, in the table's words."""
+  def has_nan(tree):
+    return any(bool(jnp.isnan(x).any()) for x in jax.tree.leaves(tree))
+
+  def close(a, b):
+    return all(np.allclose(x, y, rtol=1e-5) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+  if has_nan(params):
+    parameters = "NaN"
+  else:
+    parameters = "unchanged" if close(params, initial) else "updated"
+  if has_nan(acc_grads):
+    acc = "NaN"
+  elif all(not np.asarray(x).any() for x in jax.tree.leaves(acc_grads)):
+    acc = "zeros"
+  else:
+    acc = next(name for name, tree in named.items() if close(acc_grads, tree))
+  skip = "`()`" if skip_state == () else (
+      f"`should_skip={bool(skip_state['should_skip'])},"
+      f" num_not_finite={int(skip_state['num_not_finite'])}`")
+  return [parameters, acc, str(int(mini_step)), str(int(gradient_step)), skip]
+
+
+def test_a_nan_mini_step_does_what_the_migrating_guide_says():
+  # Every 3 calls: g1, NaN, g3, g4. Optax's default applies the NaN window and
+  # keeps the NaN; accum_jax's skips the window whole and empties acc_grads; with
+  # skip_not_finite both reject the NaN call alone.
+  params = make_params()
+  g1, _, g3, g4 = microbatch_grads(params, 4, seed=1)
+  nan = jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), g1)
+  named = {"`g1`": g1, "`g4`": g4, "mean of `g1`, `g3`": tree_weighted_mean([g1, g3])}
+  inner = optax.sgd(0.1)
+  optimizers = {
+      "`optax.MultiSteps`": optax.MultiSteps(inner, 3).gradient_transformation(),
+      "`accum_jax.MultiSteps`": accum_jax.MultiSteps(inner, 3),
+      _EITHER: optax.MultiSteps(inner, 3, should_skip_update_fn=optax.skip_not_finite)
+      .gradient_transformation(),
+      "accum_jax.MultiSteps with skip_not_finite": accum_jax.MultiSteps(
+          inner, 3, should_skip_update_fn=optax.skip_not_finite),
+  }
+  measured = {}
+  for name, opt in optimizers.items():
+    _, updates, states = scan_updates(
+        opt, params, stack_trees([g1, nan, g3, g4]), apply_updates=False)
+    # The parameters after each call, as optax.apply_updates makes them.
+    after = jax.tree.map(lambda p, u: p + jnp.cumsum(u, axis=0), params, updates)
+    for call in (2, 3, 4):
+      at = functools.partial(jax.tree.map, lambda x, i=call - 1: x[i])
+      measured[name, "2 (NaN)" if call == 2 else str(call)] = _describe(
+          at(after), params, at(states.acc_grads), states.mini_step[call - 1],
+          states.gradient_step[call - 1], at(states.skip_state), named)
+  for call in ("2 (NaN)", "3", "4"):
+    ours = measured.pop(("accum_jax.MultiSteps with skip_not_finite", call))
+    assert ours == measured[_EITHER, call], call
+  table = _nan_table_rows()
+  # The window skipped is said so in the table.
+  table["`accum_jax.MultiSteps`", "3"][0] = table["`accum_jax.MultiSteps`", "3"][0].replace(
+      " (window skipped)", "")
+  assert measured == table
 
