@@ -1,144 +1,150 @@
-"""A drop-in for ``optax.MultiSteps``, built on :func:`accum_jax.accumulate`."""
+"""A drop-in for ``optax.MultiSteps``, built on :func:`accum_jax.accumulate`.
+
+Its state is Optax's own ``optax.MultiStepsState``, so that Optax's checkpoints
+restore into it, and ``_replace`` and ``isinstance`` work as they do for Optax's.
+Each ``update`` reads that state as the window :func:`accum_jax.accumulate` keeps
+(:func:`_to_accumulation`), runs accumulate's update, and writes the result back
+(:func:`_to_multisteps`). The conversions are elementwise, and XLA fuses them into
+the add of the gradient.
+"""
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from accum_jax import _core, _options, _schedules, _state, _transform
+from accum_jax import _core, _options, _schedules, _transform, _update_args
+from accum_jax._state import AccumulationState
+
+# optax's class itself, re-exported: accum_jax.MultiSteps' state, and Optax's.
+MultiStepsState = optax.MultiStepsState
+
+# The extra arguments that accumulate reads as the window's (the mean loss, the
+# window's gradient). optax.MultiSteps passes the applying call's, as they are, and
+# its state has no place for a window's losses: they travel to the inner optimizer
+# under these names, out of accumulate's sight.
+_PASSED = {name: f"_multisteps_{name}" for name in _update_args.WINDOW_ARGS}
 
 
-@functools.partial(
-    jax.tree_util.register_dataclass,
-    data_fields=["accumulation"],
-    meta_fields=["use_grad_mean"],
-)
-@dataclasses.dataclass(frozen=True)
-class MultiStepsState:
-  """State of :class:`MultiSteps`, whose fields read as ``optax.MultiStepsState``'s.
+def _passing_window_args(inner: optax.GradientTransformationExtraArgs):
+  """``inner`` taking ``value`` and ``grad`` under the names of ``_PASSED``."""
 
-  ``mini_step``, ``gradient_step``, ``inner_opt_state``, ``acc_grads`` and
-  ``skip_state`` hold what Optax's hold after the same calls; they are read-only
-  properties of the :class:`accum_jax.AccumulationState` underneath, whose own
-  ``acc_grads`` stays the window's weighted sum. :func:`accum_jax.has_updated`,
-  :func:`accum_jax.optimizer_step` and :func:`accum_jax.checkpoint.abstract_state` find
-  that state inside, and it checkpoints as any pytree does (a leaf's key path
-  starts with ``.accumulation``).
+  def update(updates, state, params=None, **extra_args):
+    for name, passed in _PASSED.items():
+      if passed in extra_args:
+        extra_args[name] = extra_args.pop(passed)
+    return inner.update(updates, state, params, **extra_args)
 
-  Attributes:
-    accumulation: the :func:`accum_jax.accumulate` state underneath.
-    use_grad_mean: ``MultiSteps``' argument: whether ``acc_grads`` reads the
-      window's mean (True) or its sum. Static: part of the tree structure, not a
-      leaf.
+  return optax.GradientTransformationExtraArgs(inner.init, update)
 
-  Examples:
-    >>> import jax.numpy as jnp, optax, accum_jax
-    >>> opt = accum_jax.MultiSteps(optax.sgd(0.1), every_k_schedule=3)
-    >>> params = {"w": jnp.zeros(2)}
-    >>> state = opt.init(params)
-    >>> for g in (1.0, 2.0):
-    ...   _, state = opt.update({"w": jnp.full(2, g)}, state, params)
-    >>> state.acc_grads["w"], int(state.mini_step)  # the mean of 1 and 2, as in Optax
-    (Array([1.5, 1.5], dtype=float32), 2)
-    >>> state.accumulation.acc_grads["w"]  # accumulate's state keeps the sum
-    Array([3., 3.], dtype=float32)
+
+def _to_accumulation(
+    state: optax.MultiStepsState, grads: Any, kinds: tuple[str, ...], every_k: Any
+) -> AccumulationState:
+  """``state`` as :func:`accum_jax.accumulate`'s: the window, the counters, the inner state.
+
+  The core keeps a window's sum (``_core.add``): ``acc_grads`` times ``mini_step``
+  for a running mean. A leaf whose accumulator is narrower than float32 (both the
+  state and the gradient narrow) keeps the running mean instead, as ``acc_grads``
+  does under ``use_grad_mean``; a sum is divided by ``mini_step`` there. Each leaf
+  is accumulated in the promotion of its ``acc_grads`` dtype and its gradient's, so
+  neither is rounded; statistics ("max", "last") in the gradient's dtype, as kept.
+  Every call counts 1 (``weight=`` is refused), so the window's weight is
+  ``mini_step``. The fields Optax's state has no place for start from their
+  initial values: skip counts, the ``value`` window, ``last_updated``.
   """
+  count = jnp.asarray(state.mini_step, jnp.int32)
+  weight = count.astype(jnp.float32)
 
-  accumulation: _state.AccumulationState
-  use_grad_mean: bool
+  def total(acc, g, kind):
+    acc = jnp.asarray(acc)
+    if _core.is_statistic(kind):
+      return acc.astype(jax.dtypes.canonicalize_dtype(jnp.result_type(g)))
+    dtype = jnp.promote_types(acc.dtype, jax.dtypes.canonicalize_dtype(jnp.result_type(g)))
+    acc = acc.astype(dtype)
+    if _core.is_narrow(dtype):  # holds the mean
+      if kind == "mean":
+        return acc
+      return (acc.astype(jnp.float32) / jnp.maximum(weight, 1.0)).astype(dtype)
+    return acc * weight.astype(dtype) if kind == "mean" else acc
 
-  @property
-  def mini_step(self) -> jax.Array:
-    """Calls accumulated in the current window; shape=(), dtype=int32."""
-    return self.accumulation.mini_step
-
-  @property
-  def gradient_step(self) -> jax.Array:
-    """Updates applied so far; shape=(), dtype=int32."""
-    return self.accumulation.gradient_step
-
-  @property
-  def inner_opt_state(self) -> Any:
-    """The wrapped optimizer's state, advanced only on updates."""
-    return self.accumulation.inner_opt_state
-
-  @property
-  def skip_state(self) -> Any:
-    """What ``should_skip_update_fn`` reported on the last call (``()`` without one)."""
-    return self.accumulation.skip_state
-
-  @property
-  def acc_grads(self) -> Any:
-    """The window's gradients as ``optax.MultiSteps`` keeps them.
-
-    With ``use_grad_mean=True`` their running mean, otherwise their sum, over
-    the calls accumulated since the last update (a call a skip function
-    rejected is not one of them); zeros after an update, and while the window
-    holds no call. Calls given ``update(..., weight=w)`` enter as the weighted
-    mean ``sum(w_i g_i) / sum(w_i)`` (zeros while that weight is 0) or the
-    weighted sum ``sum(w_i g_i)``. In the accumulator dtype, with the gradient's
-    tree. Flax's FP8 statistics read as kept (their maximum), not averaged.
-    """
-    acc = self.accumulation.accumulator
-    if isinstance(acc.count, jax.ShapeDtypeStruct):
-      return acc.total  # an abstract state (a restore target): no values
-    return _window_gradient(acc, self.use_grad_mean)
-
-  @property
-  def num_skipped(self) -> jax.Array:
-    """Calls skipped so far (see :attr:`accum_jax.AccumulationState.num_skipped`)."""
-    return self.accumulation.num_skipped
-
-  @property
-  def num_empty_windows(self) -> jax.Array:
-    """Windows that ended with zero total weight; int32 scalar."""
-    return self.accumulation.num_empty_windows
-
-  @property
-  def window_value(self) -> jax.Array:
-    """The weighted mean of the last applied window's ``value=`` arguments (0 before)."""
-    return self.accumulation.window_value
+  kinds_tree = jax.tree.unflatten(jax.tree.structure(grads), kinds)
+  zero = jnp.zeros((), jnp.int32)
+  return AccumulationState(
+      accumulator=_core.Accumulator(
+          total=jax.tree.map(total, state.acc_grads, grads, kinds_tree),
+          weight=weight,
+          count=count,
+          num_skipped=zero,
+      ),
+      optimizer_step=jnp.asarray(state.gradient_step, jnp.int32),
+      inner_opt_state=state.inner_opt_state,
+      last_updated=jnp.array(False),
+      num_empty_windows=zero,
+      value_accumulator=_core.init(jnp.zeros((), jnp.float32), jnp.float32),
+      window_value=jnp.zeros((), jnp.float32),
+      skip_state=state.skip_state,
+      every_k=every_k,
+  )
 
 
-def _window_gradient(acc: _core.Accumulator, use_grad_mean: bool) -> Any:
-  """The window's weighted mean (or sum) in the accumulator dtype, zeros while empty.
+def _to_multisteps(
+    accumulation: AccumulationState, kinds: tuple[str, ...], like: Any
+) -> optax.MultiStepsState:
+  """``accumulation`` as ``optax.MultiStepsState``, ``acc_grads`` in the dtypes of ``like``."""
+  acc_grads = _window_gradient(accumulation.accumulator, kinds)
+  return optax.MultiStepsState(
+      mini_step=accumulation.mini_step,
+      gradient_step=accumulation.optimizer_step,
+      inner_opt_state=accumulation.inner_opt_state,
+      acc_grads=jax.tree.map(lambda a, x: a.astype(jnp.result_type(x)), acc_grads, like),
+      skip_state=accumulation.skip_state,
+  )
 
-  The accumulator holds the weighted sum, or in a dtype narrower than float32
-  the weighted mean. States stacked by a scan have the same leading axes on the
-  counters as on the sums.
+
+def _window_gradient(acc: _core.Accumulator, kinds: tuple[str, ...]) -> Any:
+  """The window's mean (or sum), as ``optax.MultiSteps`` keeps it; zeros while empty.
+
+  The accumulator holds the sum, or in a dtype narrower than float32 the mean.
   """
-  total = acc.total
-  kinds = _options.grad_reductions("mean" if use_grad_mean else "sum", total, "use_grad_mean")
   weight = jnp.asarray(acc.weight)
 
   def read(t, kind):
     if _core.is_statistic(kind):
       return t
-    w = jnp.reshape(weight, weight.shape + (1,) * (jnp.ndim(t) - weight.ndim))
     if _core.is_narrow(t.dtype):  # t holds the mean
-      return t if kind == "mean" else (t.astype(jnp.float32) * w).astype(t.dtype)
+      return t if kind == "mean" else (t.astype(jnp.float32) * weight).astype(t.dtype)
     if kind == "sum":
       return t
-    return (t / jnp.where(w > 0, w, 1.0).astype(t.dtype)).astype(t.dtype)
+    return (t / jnp.where(weight > 0, weight, 1.0).astype(t.dtype)).astype(t.dtype)
 
-  kinds_tree = jax.tree.unflatten(jax.tree.structure(total), kinds)
-  return jax.tree.map(read, total, kinds_tree)
+  kinds_tree = jax.tree.unflatten(jax.tree.structure(acc.total), kinds)
+  return jax.tree.map(read, acc.total, kinds_tree)
 
 
 class MultiSteps:
   """Drop-in replacement for ``optax.MultiSteps``.
 
-  The constructor, the methods and the state fields users read are Optax's;
-  built on :func:`accum_jax.accumulate`, it computes the inner update only on
-  the call that applies it, skips non-finite gradients, and accepts ``weight=``
-  and ``flush=`` in ``update``. Its state, a :class:`accum_jax.MultiStepsState`,
-  reads as Optax's: ``acc_grads`` is the window's running mean (or, with
-  ``use_grad_mean=False``, sum), the weighted one for calls given ``weight=``.
+  The constructor, the methods and the state are Optax's: the state is an
+  ``optax.MultiStepsState`` (also named :class:`accum_jax.MultiStepsState`), with
+  ``acc_grads`` the window's running mean (with ``use_grad_mean=False``, its sum)
+  and zeros after an update, so that a checkpoint written by either restores into
+  the other and ``state._replace(...)`` works. Built on
+  :func:`accum_jax.accumulate`, it computes the inner update only on the call that
+  applies it, and takes ``flush=True`` in ``update`` to apply a partial window.
+
+  What differs from Optax's: without ``should_skip_update_fn``, a window whose
+  gradients hold a NaN or Inf is skipped whole when it ends (zero updates, the inner
+  state untouched, ``acc_grads`` emptied) where Optax's keeps the NaN for the rest
+  of training. Nothing in the state counts such windows: ``gradient_step`` not
+  advancing at the window's end is what shows it. Pass
+  ``should_skip_update_fn=optax.skip_not_finite`` to reject each non-finite call
+  and have ``skip_state`` report it, or use :func:`accum_jax.accumulate`, whose
+  state counts ``num_skipped``. ``update`` takes no ``weight=``: the state keeps
+  no total weight (:func:`accum_jax.accumulate` takes ``weight=``).
 
   See the guide: :doc:`/migrating`.
 
@@ -149,15 +155,21 @@ class MultiSteps:
     use_grad_mean: average the accumulated gradients (True) or sum them.
     should_skip_update_fn: an Optax skip function such as
       ``optax.skip_not_finite``; a mini-step it rejects is not accumulated.
-    accumulator_dtype: the least precision of the accumulator; float32 by
-      default. None accumulates in the gradients' dtype.
+    accumulator_dtype: the dtype of ``acc_grads``, float32 by default; None keeps
+      the parameters' dtype. Each call accumulates in the promotion of it and the
+      gradient's dtype.
 
   Examples:
     >>> import jax.numpy as jnp, optax, accum_jax
-    >>> opt = accum_jax.MultiSteps(optax.adam(1e-3), every_k_schedule=4)
-    >>> state = opt.init({"w": jnp.zeros(2)})
-    >>> int(state.mini_step), int(state.gradient_step)
-    (0, 0)
+    >>> opt = accum_jax.MultiSteps(optax.sgd(0.1), every_k_schedule=3)
+    >>> params = {"w": jnp.zeros(2)}
+    >>> state = opt.init(params)
+    >>> for g in (1.0, 2.0):
+    ...   _, state = opt.update({"w": jnp.full(2, g)}, state, params)
+    >>> isinstance(state, optax.MultiStepsState), int(state.mini_step)
+    (True, 2)
+    >>> state.acc_grads["w"]  # the mean of 1 and 2, as in Optax
+    Array([1.5, 1.5], dtype=float32)
   """
 
   def __init__(
@@ -169,14 +181,20 @@ class MultiSteps:
       accumulator_dtype: Any = jnp.float32,
   ):
     self._opt = optax.with_extra_args_support(opt)
-    self._use_grad_mean = bool(use_grad_mean)
+    self._reduction = "mean" if use_grad_mean else "sum"
     self._transform = _transform._accumulate(
-        self._opt,
+        _passing_window_args(self._opt),
         every_k_schedule,
-        reduction="mean" if use_grad_mean else "sum",
+        reduction=self._reduction,
         accumulator_dtype=accumulator_dtype,
         should_skip_update_fn=should_skip_update_fn,
         every_k_name="every_k_schedule",
+    )
+    # Optax's dtype of acc_grads (None: the parameters'), checked by accumulate above.
+    dtype = _core.canonicalize_accumulator_dtype(accumulator_dtype)
+    self._accumulator_dtype = None if dtype is None else jax.dtypes.canonicalize_dtype(dtype)
+    self._every_k = _schedules.WindowSchedule(
+        _schedules.check_every_k(every_k_schedule, "every_k_schedule")
     )
     self._gradient_transformation = optax.GradientTransformationExtraArgs(
         self.init, self.update
@@ -187,30 +205,68 @@ class MultiSteps:
     """The wrapped optimizer, with extra-argument support."""
     return self._opt
 
-  def init(self, params: Any) -> MultiStepsState:
+  def _acc_grads_dtype(self, dtype: Any) -> Any:
+    """Optax's ``acc_grads`` dtype for a leaf accumulated in ``dtype``: its
+    ``accumulator_dtype``, but complex where the leaf is (Optax's would drop the
+    imaginary part)."""
+    if self._accumulator_dtype is None or jnp.issubdtype(dtype, jnp.complexfloating):
+      return dtype
+    return self._accumulator_dtype
+
+  def init(self, params: Any) -> optax.MultiStepsState:
     """The initial state: an empty window and the inner optimizer's state."""
-    return MultiStepsState(self._transform.init(params), self._use_grad_mean)
+    accumulation = self._transform.init(params)
+    zeros = jax.tree.map(
+        lambda t: t.astype(self._acc_grads_dtype(t.dtype)), accumulation.accumulator.total
+    )
+    return optax.MultiStepsState(
+        mini_step=accumulation.mini_step,
+        gradient_step=accumulation.optimizer_step,
+        inner_opt_state=accumulation.inner_opt_state,
+        acc_grads=zeros,
+        skip_state=accumulation.skip_state,
+    )
 
   def update(
       self,
       updates: Any,
-      state: MultiStepsState,
+      state: optax.MultiStepsState,
       params: Any = None,
       **extra_args: Any,
-  ) -> tuple[Any, MultiStepsState]:
+  ) -> tuple[Any, optax.MultiStepsState]:
     """Accumulates ``updates``; on the last mini-step of a window, updates.
 
-    Takes ``weight=`` and ``flush=`` as :func:`accum_jax.accumulate` does; other
-    keyword arguments reach the inner optimizer.
+    Takes ``flush=True`` as :func:`accum_jax.accumulate` does (apply the window
+    now); refuses ``weight=``. Other keyword arguments, ``value`` included,
+    reach the inner optimizer as the applying call gives them, as in Optax.
     """
-    updates, accumulation = self._transform.update(
-        updates, state.accumulation, params, **extra_args
-    )
-    return updates, MultiStepsState(accumulation, self._use_grad_mean)
+    if extra_args.pop("weight", None) is not None:
+      raise ValueError(
+          "accum_jax.MultiSteps takes no weight=: its state, optax.MultiStepsState,"
+          " keeps the window's mean (or sum) and its number of mini-steps, not a total"
+          " weight, so a weighted window cannot carry over from one call to the next."
+          " For windows weighted by e.g. valid tokens use"
+          " accum_jax.accumulate(opt, every_k, reduction='mean'), whose update takes"
+          " weight=; or leave weight out for optax.MultiSteps' unweighted mean."
+      )
+    for name, passed in _PASSED.items():
+      if name in extra_args:
+        extra_args[passed] = extra_args.pop(name)
+    _update_args.check_tree_matches(updates, state.acc_grads)
+    kinds = _options.grad_reductions(self._reduction, updates, "use_grad_mean")
+    accumulation = _to_accumulation(state, updates, kinds, self._every_k)
+    updates, accumulation = self._transform.update(updates, accumulation, params, **extra_args)
+    return updates, _to_multisteps(accumulation, kinds, state.acc_grads)
 
   def has_updated(self, state: Any) -> jax.Array:
-    """Whether the last ``update`` applied the inner optimizer (bool scalar)."""
-    return _state.has_updated(state)
+    """Whether the last ``update`` applied the inner optimizer (bool scalar).
+
+    Optax's rule, from the counters: ``mini_step == 0 and gradient_step > 0``.
+    A call that ends a window skipped for a NaN, or one a skip function rejects
+    at ``mini_step == 0``, reads True once an update has happened; to know for
+    sure, compare ``gradient_step`` before and after the call.
+    """
+    return jnp.logical_and(state.mini_step == 0, state.gradient_step > 0)
 
   def gradient_transformation(self) -> optax.GradientTransformationExtraArgs:
     """This optimizer as an Optax transformation: its ``init`` and ``update``."""
