@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from accum_jax import _batching, _call, _core, _microbatch, _options, _sharding, _trace
+from accum_jax import _arguments, _batching, _call, _core, _microbatch, _options, _sharding, _trace
 from accum_jax._microbatch import MicrobatchInfo
 
 # Options of value_and_grad that have no meaning here, and what to do instead.
@@ -315,7 +315,7 @@ def _plan(options: _options.Options, call: _call.Bound) -> _sharding.Plan:
   return call.plan._replace(treedef=jax.tree_util.treedef_tuple([call.plan.treedef]))
 
 
-@_options.takes_options(
+@_arguments.takes_options(
     "cached_value_and_grad", options_of=_microbatch.value_and_grad, refused=_REFUSED
 )
 def cached_value_and_grad(

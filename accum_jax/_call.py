@@ -20,7 +20,7 @@ from typing import Any, overload
 import jax
 import jax.numpy as jnp
 
-from accum_jax import _batching, _core, _options, _sharding, _trace
+from accum_jax import _arguments, _batching, _core, _options, _sharding, _trace
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +36,7 @@ class Bound:
   data_axes: tuple[str, ...]  # () without
   num_shards: int
   rows: int  # rows of one microbatch on one device
-  grad_kinds: tuple[str, ...]  # how each gradient leaf combines; see `_options.grad_reductions`
+  grad_kinds: tuple[str, ...]  # how each gradient leaf combines; see `_arguments.grad_reductions`
   plan: Any  # the checked _sharding.Plan under a mesh, else None
 
   def params(self, args: Sequence[Any] | None = None) -> Any:
@@ -101,7 +101,7 @@ def bind(
   _batching.check_divisible(size, options.num_microbatches, num_shards)
   rows = size // (num_shards * options.num_microbatches)
   params = diff_args(options, args)
-  kinds = _options.grad_reductions(options.reduction, params)
+  kinds = _arguments.grad_reductions(options.reduction, params)
   plan = None if mesh is None else _plan(options, mesh, axes, params, kinds)
   call = Bound(options, tuple(args), kwargs, batch, size, mesh, axes, num_shards, rows, kinds,
                plan)

@@ -360,49 +360,6 @@ def merge_statistics(
   ]
 
 
-# What both doors do with a NaN or Inf, one word per meaning (``on_nonfinite=``).
-# Inside a step, a microbatch is one slice of the batch; across calls, each call
-# adds one microbatch's gradient: skipping either drops that one and keeps the rest.
-NONFINITE: dict[str, str] = {
-    "propagate": "the step's gradient is NaN in every leaf, as the full batch's would be,"
-                 " for a gate such as optax.apply_if_finite to skip the step; info says"
-                 " which microbatches' losses failed (value_and_grad's default)",
-    "skip_microbatch": "a microbatch (a call, across calls) holding NaN or Inf is left"
-                       " out and counted; the others are kept",
-    "skip_window": "a window whose sum holds NaN or Inf is skipped whole when it is"
-                   " applied, its calls counted (accumulate's default)",
-    "unchecked": "nothing is checked: NaN or Inf flows where the arithmetic takes it",
-}
-# The values these replaced, and what each now is.
-_RETIRED_NONFINITE = {
-    "step": "propagate", "microbatch": "skip_microbatch", "call": "skip_microbatch",
-    "window": "skip_window", False: "unchecked",
-}
-
-
-def renamed_nonfinite(value: Any) -> str | None:
-  """The ``on_nonfinite`` value that replaced ``skip_nonfinite=value``, if one did."""
-  if isinstance(value, bool) and value:
-    return None
-  try:
-    return _RETIRED_NONFINITE.get(value)
-  except TypeError:  # unhashable
-    return None
-
-
-def check_on_nonfinite(value: Any, accepted: Sequence[str], caller: str) -> str:
-  """``value`` checked against the ``on_nonfinite`` values ``caller`` takes."""
-  if isinstance(value, str) and value in accepted:
-    return value
-  choices = "; ".join(f"{v!r}: {NONFINITE[v]}" for v in accepted)
-  if isinstance(value, str) and value in NONFINITE:
-    raise ValueError(f"{caller} does not take on_nonfinite={value!r}. It takes {choices}.")
-  new = renamed_nonfinite(value)
-  hint = f" on_nonfinite={new!r} is what {value!r} meant." if new in accepted else ""
-  raise ValueError(f"on_nonfinite={value!r} is not one of {tuple(accepted)}.{hint} {caller}"
-                   f" takes {choices}.")
-
-
 class Admission(NamedTuple):
   """What :func:`admit` decides about one pytree offered with a weight.
 

@@ -36,7 +36,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from accum_jax import _batching, _call, _core, _noise, _options, _sharding, _trace
+from accum_jax import _arguments, _batching, _call, _core, _noise, _options, _sharding, _trace
 from accum_jax._batching import Split, divisors  # noqa: F401  (re-exported for the planner)
 from accum_jax._options import AuxReduction
 
@@ -618,7 +618,7 @@ def _gradients_only(grads: Any, shapes: _trace.Shapes) -> Any:
   return grads if shapes.grad_kinds is None else _core.gradient_leaves(grads, shapes.grad_kinds)
 
 
-@_options.takes_options("value_and_grad")
+@_arguments.takes_options("value_and_grad")
 def value_and_grad(
     fun: Callable[..., Any],
     num_microbatches: int,
@@ -715,7 +715,7 @@ def of_call(call: _call.Call) -> Any:
   return _finalise(sums, call)
 
 
-@_options.takes_options("grad", options_of=value_and_grad)
+@_arguments.takes_options("grad", options_of=value_and_grad)
 def grad(fun: Callable[..., Any], num_microbatches: int, **options: Any) -> Callable[..., Any]:
   """``jax.grad`` over microbatches; the options of :func:`value_and_grad`.
 

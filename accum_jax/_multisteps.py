@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from accum_jax import _core, _options, _schedules, _transform, _update_args
+from accum_jax import _arguments, _core, _schedules, _transform, _update_args
 from accum_jax._state import AccumulationState
 
 # optax's class itself, re-exported: accum_jax.MultiSteps' state, and Optax's.
@@ -253,7 +253,7 @@ class MultiSteps:
       if name in extra_args:
         extra_args[passed] = extra_args.pop(name)
     _update_args.check_tree_matches(updates, state.acc_grads)
-    kinds = _options.grad_reductions(self._reduction, updates, "use_grad_mean")
+    kinds = _arguments.grad_reductions(self._reduction, updates, "use_grad_mean")
     accumulation = _to_accumulation(state, updates, kinds, self._every_k)
     updates, accumulation = self._transform.update(updates, accumulation, params, **extra_args)
     return updates, _to_multisteps(accumulation, kinds, state.acc_grads)

@@ -22,9 +22,9 @@ class AccumulationState(NamedTuple):
 
   The names ``mini_step``, ``gradient_step`` and ``inner_opt_state`` read as in
   ``optax.MultiStepsState``; ``acc_grads`` is the window's weighted sum whatever
-  the reduction. :class:`accum_jax.MultiSteps`' state,
-  :class:`accum_jax.MultiStepsState`, holds one and reads ``acc_grads`` as Optax
-  does (the running mean under ``use_grad_mean=True``).
+  the reduction. (:class:`accum_jax.MultiSteps`' state is optax's
+  ``MultiStepsState`` itself, whose ``acc_grads`` is the running mean under
+  ``use_grad_mean=True``.)
   """
 
   # The current window; see _core.Accumulator. `total` is the window's running
@@ -91,6 +91,9 @@ _GATES = tuple(
 )
 
 
+_MULTISTEPS = optax.MultiStepsState
+
+
 def _is_state(x: Any) -> bool:
   return isinstance(x, AccumulationState)
 
@@ -116,6 +119,14 @@ def _check_not_gated(state: Any, caller: str) -> None:
 def find_state(state: Any, caller: str) -> AccumulationState:
   _check_not_gated(state, caller)
   found = [x for x in jax.tree.leaves(state, is_leaf=_is_state) if _is_state(x)]
+  multisteps = [x for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, _MULTISTEPS))
+                if isinstance(x, _MULTISTEPS)]
+  if not found and multisteps:
+    raise ValueError(
+        f"{caller} reads accum_jax.accumulate's state, and found an optax.MultiStepsState"
+        " (the state of accum_jax.MultiSteps or optax.MultiSteps): read"
+        " opt.has_updated(state) for whether the last call updated, and"
+        " state.gradient_step for the updates applied so far.")
   if not found:
     raise ValueError(
         f"{caller} found no accum_jax.accumulate state in {type(state).__name__}."
@@ -135,10 +146,9 @@ def has_updated(state: Any) -> jax.Array:
   """Whether the last ``update`` applied the inner optimizer.
 
   Args:
-    state: the state of :func:`accumulate` or :class:`accum_jax.MultiSteps`,
-      or any pytree holding exactly one (an ``optax.chain`` state, a Flax
-      ``TrainState`` or its ``opt_state``, an ``nnx.Optimizer`` or its
-      ``opt_state``).
+    state: the state of :func:`accumulate`, or any pytree holding exactly one
+      (an ``optax.chain`` state, a Flax ``TrainState`` or its ``opt_state``, an
+      ``nnx.Optimizer`` or its ``opt_state``).
 
   Returns:
     A bool scalar; jit-friendly.

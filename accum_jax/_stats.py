@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from accum_jax import _call, _core, _microbatch, _options, _sharding, _trace
+from accum_jax import _arguments, _call, _core, _microbatch, _options, _sharding, _trace
 from accum_jax._trace import describe as _describe
 
 
@@ -170,7 +170,7 @@ _WHY = (
 _REFUSED = {"state_argnums": _WHY, "gradient_noise": _WHY, "reduction": _WHY}
 
 
-@_options.takes_options(
+@_arguments.takes_options(
     "stats_value_and_grad", options_of=_microbatch.value_and_grad, refused=_REFUSED
 )
 def stats_value_and_grad(

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from accum_jax import _core, _options
+from accum_jax import _arguments, _core, _options
 
 
 class Fun(NamedTuple):
@@ -254,7 +254,7 @@ def _aux_reductions(aux: Any, spec: Any, rows: int) -> tuple[str, ...]:
   example) would change what the step returns with ``num_microbatches``. Per-example
   outputs come back in batch order where ``"concat"`` asks for them."""
   reductions = []
-  given = _options.per_leaf_spec(_completed(spec, aux), aux, "aux_reduction", "the aux")
+  given = _arguments.per_leaf_spec(_completed(spec, aux), aux, "aux_reduction", "the aux")
   for (path, leaf), (requested, _) in zip(jax.tree.leaves_with_path(aux), given):
     if requested == "concat" and not (len(leaf.shape) >= 1 and leaf.shape[0] == rows):
       raise ValueError(

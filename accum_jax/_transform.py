@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from accum_jax import _core, _inner_checks, _noise, _options, _packing, _update_args
+from accum_jax import _arguments, _core, _inner_checks, _noise, _packing, _update_args
 from accum_jax._schedules import ConstantEveryK, EveryKSchedule, WindowSchedule, check_every_k
 from accum_jax._state import AccumulationState
 
@@ -76,7 +76,7 @@ class _Options(NamedTuple):
   schedule: EveryKSchedule | None  # None: the window length is in the state
   by_noise: _noise.NoiseScaleSchedule | None  # every_k given as a noise_scale_every_k
   track_noise: bool  # the state keeps the gradient-noise sums
-  reduction: Any  # per leaf: a string, a pytree prefix or a callable (_options.grad_reductions)
+  reduction: Any  # per leaf: a string, a pytree prefix or a callable (_arguments.grad_reductions)
   value_reduction: str  # of `value`: "sum" where reduction is "sum", else "mean"
   accumulator_dtype: Any
   on_nonfinite: str  # one of _update_args.ON_NONFINITE
@@ -129,7 +129,7 @@ def _make_options(
 ) -> _Options:
   by_noise = every_k if isinstance(every_k, _noise.NoiseScaleSchedule) else None
   schedule = None if by_noise else check_every_k(every_k, every_k_name)
-  _options.check_grad_reduction(reduction, "reduction")
+  _arguments.check_grad_reduction(reduction, "reduction")
   return _Options(
       inner=optax.with_extra_args_support(inner),
       schedule=schedule,
@@ -138,7 +138,7 @@ def _make_options(
       reduction=reduction,
       value_reduction="sum" if reduction == "sum" else "mean",
       accumulator_dtype=_core.canonicalize_accumulator_dtype(accumulator_dtype),
-      on_nonfinite=_core.check_on_nonfinite(
+      on_nonfinite=_arguments.check_on_nonfinite(
           on_nonfinite, _update_args.ON_NONFINITE, "accumulate"),
       skip_fn=should_skip_update_fn or _no_skip,
       pack_inner_state=_update_args.check_flag(pack_inner_state, "pack_inner_state"),
@@ -230,8 +230,8 @@ def _sharded_like(tree: Any, params: Any) -> Any:
 
 def _kinds(options: _Options, grads: Any) -> tuple[str, ...]:
   """How each leaf of ``grads`` combines: ``reduction`` per leaf, Flax's FP8
-  statistics "max" by default (see ``_options.grad_reductions``)."""
-  return _options.grad_reductions(options.reduction, grads, "reduction")
+  statistics "max" by default (see ``_arguments.grad_reductions``)."""
+  return _arguments.grad_reductions(options.reduction, grads, "reduction")
 
 
 def _bind(options, grads, state, params, weight, flush, apply, extra_args) -> _Call:
@@ -291,9 +291,18 @@ def _add(options: _Options, call: _Call, state: AccumulationState) -> _Window:
     done = jnp.array(call.apply)  # a constant: XLA folds what depends on it
   window = _Window(
       accumulator, kept, skip_state, value_accumulator, noise, done,
-      apply=done & (accumulator.weight > 0),
+      apply=done if _never_empty(options, call) else done & (accumulator.weight > 0),
   )
   return _drop_overflowing_sum(window, call) if "sum" in call.kinds else window
+
+
+def _never_empty(options: _Options, call: _Call) -> bool:
+  """Whether a window the host ends surely holds weight: each call counts 1 (no
+  ``weight=``) and none is refused (no per-call check, no skip function), so an
+  applying call's window holds at least itself. Then ``apply`` is the host's
+  constant, and XLA folds the selects that guard an empty window."""
+  return (call.apply is not None and call.weight is None and options.skip_fn is _no_skip
+          and options.on_nonfinite != "skip_microbatch")
 
 
 def _within_window(options: _Options, call: _Call, state: AccumulationState) -> Any:
@@ -635,7 +644,7 @@ def _next_noise(state, window, applied, last_noise, by_noise) -> dict[str, Any]:
   return fields
 
 
-@_options.takes_options("accumulate", retired=("skip_nonfinite",), refused={
+@_arguments.takes_options("accumulate", retired=("skip_nonfinite",), refused={
     "layout": "the flat layout was removed: optax.flatten(inner) packs the inner"
               " optimizer's state into one vector, which an H200 ran faster"
               " (docs/guides/gpu.md); accumulate(optax.flatten(inner), every_k).",
@@ -664,9 +673,8 @@ def accumulate(
 
   Args:
     inner: the optimizer to run on the accumulated gradient, any Optax
-      ``GradientTransformation`` or chain. A gate that acts on the applied
-      update (``optax.apply_if_finite``) goes here, inside: around
-      ``accumulate`` it would shift or merge windows.
+      ``GradientTransformation`` or chain; a gate (``optax.apply_if_finite``)
+      goes inside: around ``accumulate`` it would shift or merge windows.
     every_k: calls per window, an int >= 1, or a schedule from the optimizer
       step to the number of calls (:func:`accum_jax.piecewise_every_k`,
       :func:`accum_jax.noise.noise_scale_every_k`). The window's length under
@@ -686,13 +694,10 @@ def accumulate(
       :func:`accum_jax.value_and_grad`'s (:doc:`/two_doors`).
     gradient_noise: estimate the gradient noise from the calls' gradients, read
       with :func:`accum_jax.noise.last_window`.
-    pack_inner_state: keep the inner optimizer's state as one vector per dtype
-      between windows (``state.inner_opt_state.unpack()`` reads its tree): a call
-      that only adds passes AdamW's state as one buffer instead of two per
-      parameter, which is what limits a training loop's speed on a GPU (each
-      buffer costs the host its dispatch; see :doc:`/guides/gpu`). The inner
-      optimizer still sees its own tree: no arithmetic changes. For parameters on
-      one device or replicated; sharded ones are refused at ``init``.
+    pack_inner_state: keep the inner state as one vector per dtype between
+      windows (``state.inner_opt_state.unpack()`` reads its tree): each buffer a
+      call passes costs the host its dispatch (:doc:`/guides/gpu`). No
+      arithmetic changes; for parameters on one device or replicated.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose ``update(grads, state,

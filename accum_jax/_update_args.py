@@ -105,7 +105,7 @@ def check_value(value: Any) -> None:
     )
 
 
-# The on_nonfinite values accumulate takes (see _core.NONFINITE): "skip_window"
+# The on_nonfinite values accumulate takes (see _arguments.NONFINITE): "skip_window"
 # judges the window's sums once, when it is applied (nothing per call);
 # "skip_microbatch" checks each call's gradient (a reduction per call) and leaves the
 # rest of the window; "unchecked" does neither.

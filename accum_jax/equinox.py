@@ -40,7 +40,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from accum_jax import _microbatch, _options
+from accum_jax import _arguments, _microbatch, _options
 
 __all__ = ("filter_grad", "filter_value_and_grad")
 
@@ -321,7 +321,7 @@ def _with_state(out: Any, call: _Call) -> Any:
   return (loss, _put_state(aux, eqx.combine(state, call.statics[call.state_num])))
 
 
-@_options.takes_options(
+@_arguments.takes_options(
     "filter_value_and_grad", options_of=_microbatch.value_and_grad, refused=_FIXED_OPTIONS
 )
 def filter_value_and_grad(
@@ -412,7 +412,7 @@ def filter_value_and_grad(
 # Its signature keeps **options for now: it would show rng_argnums="auto", the default
 # it forwards, which the API test holds to value_and_grad's None for every function
 # but filter_value_and_grad.
-@_options.takes_options(
+@_arguments.takes_options(
     "filter_grad", options_of=filter_value_and_grad, refused=_FIXED_OPTIONS, shown=False
 )
 def filter_grad(

@@ -47,7 +47,7 @@ from jax.experimental.layout import Format
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from accum_jax import _microbatch, _options
+from accum_jax import _arguments, _microbatch, _options
 
 TrainStateT = TypeVar("TrainStateT", bound=train_state.TrainState)
 
@@ -464,7 +464,7 @@ def _core_param_sharding(parsed: _Parsed, call: _Call, nodes: _Nodes) -> Any:
   return ((node_specs,) if nodes.diff else ()) + plain
 
 
-@_options.takes_options(
+@_arguments.takes_options(
     "nnx_value_and_grad", options_of=_microbatch.value_and_grad, refused=_REFUSED
 )
 def nnx_value_and_grad(
@@ -557,7 +557,7 @@ def nnx_value_and_grad(
   return wrapped
 
 
-@_options.takes_options("nnx_grad", options_of=nnx_value_and_grad, refused=_REFUSED)
+@_arguments.takes_options("nnx_grad", options_of=nnx_value_and_grad, refused=_REFUSED)
 def nnx_grad(
     fun: Callable[..., Any],
     num_microbatches: int,

@@ -437,11 +437,8 @@ def accumulate_private(
     An ``optax.GradientTransformationExtraArgs`` whose ``update(grads, state,
     params=None, *, apply=None, flush=False, **extra_args)`` is ``accumulate``'s.
     :func:`accum_jax.optimizer_step` of its state counts the logical batches applied:
-    the steps of the accountant.
-
-  Raises:
-    ValueError: as :func:`dp_aggregate` and :func:`accum_jax.accumulate` do; from
-      ``init``, as :func:`check_inner` does.
+    the steps of the accountant. Its arguments are checked as
+    :func:`dp_aggregate`'s and ``accumulate``'s; ``init`` as :func:`check_inner`.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, accum_jax, accum_jax.privacy

@@ -90,6 +90,8 @@ HOST = "accumulate(adamw), HostSchedule"
 HOST_NO_SKIP = "accumulate(adamw, on_nonfinite='unchecked'), HostSchedule"
 FLATTEN = "accumulate(optax.flatten(adamw)), HostSchedule"
 PACKED = "accumulate(adamw, pack_inner_state=True), HostSchedule"
+PACKED_NO_SKIP = (
+    "accumulate(adamw, pack_inner_state=True, on_nonfinite='unchecked'), HostSchedule")
 DEVICE = "accumulate(adamw), device schedule"
 MULTISTEPS = "optax.MultiSteps(adamw)"
 FULL = "full batch of 8, AdamW"
@@ -310,6 +312,8 @@ def loop_builders(loss: Callable) -> dict[str, Callable[[Any, np.ndarray], Loop]
       FLOOR: lambda p, t: modulo_floor(loss, p, t, adamw),
       HOST: lambda p, t: host_schedule(accumulate(), loss, p, t),
       PACKED: lambda p, t: host_schedule(accumulate(pack_inner_state=True), loss, p, t),
+      PACKED_NO_SKIP: lambda p, t: host_schedule(
+          accumulate(pack_inner_state=True, on_nonfinite="unchecked"), loss, p, t),
       HOST_NO_SKIP: lambda p, t: host_schedule(accumulate(on_nonfinite="unchecked"), loss, p, t),
       FLATTEN: lambda p, t: host_schedule(accumulate(optax.flatten(adamw)), loss, p, t),
       DEVICE: lambda p, t: one_program(accumulate(), loss, p, t),
@@ -591,6 +595,8 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--micro", type=int, default=1, help="sequences a microbatch (default 1)")
   parser.add_argument("--name", default=None,
                       help="results bench/results/<name>.json (default loop, or loop_quick)")
+  parser.add_argument("--loops", nargs="+", default=None, metavar="NAME",
+                      help="measure only the loops whose names contain one of these")
   args = parser.parse_args(argv)
   rounds = args.rounds or (3 if args.quick else 60)
   windows = args.windows or 2
@@ -609,7 +615,11 @@ def main(argv: list[str] | None = None) -> int:
         f" {leaves} parameter leaves ({model}); {rounds} rounds of {windows} window(s) per"
         " loop, interleaved; data sliced from a host NumPy array each call", flush=True)
   start = environment()
-  results = measure(loss, params, data, micro=args.micro, rounds=rounds, windows=windows)
+  names = None
+  if args.loops:
+    names = [n for n in loop_builders(loss) if any(part in n for part in args.loops)]
+  results = measure(loss, params, data, micro=args.micro, rounds=rounds, windows=windows,
+                    names=names)
   report = {"environment": start, "commit": git_commit(), "rounds": rounds,
             "windows": windows, "every_k": EVERY_K, "micro": args.micro, "leaves": leaves,
             "model": model, "loops": results}

@@ -152,6 +152,8 @@ TRIGGERS: dict[str, Callable[[], object]] = {
         optax.sgd(1.0), 2, on_nonfinite="propagate"),
     "`skip_nonfinite=` (renamed `on_nonfinite=`)": lambda: accum_jax.accumulate(
         optax.sgd(1.0), 2, skip_nonfinite="window"),
+    "`weight=` given": lambda: accum_jax.MultiSteps(optax.sgd(1.0), 2).update(
+        {"w": W}, accum_jax.MultiSteps(optax.sgd(1.0), 2).init({"w": W}), weight=1.0),
     "`layout=` (removed)": lambda: accum_jax.accumulate(optax.sgd(1.0), 2, layout="flat"),
     "`apply` is not a Python bool (a traced or array value)": lambda: _host_update(
         apply=jnp.array(True)),

@@ -451,7 +451,7 @@ def test_the_readers_of_accumulate_state_refuse_a_multisteps_state():
   params = {"w": jnp.zeros(2)}
   state = opt.init(params)
   for reader in (accum_jax.has_updated, accum_jax.optimizer_step, accum_jax.HostSchedule):
-    with pytest.raises(ValueError, match="found no accum_jax.accumulate state in MultiStepsState"):
+    with pytest.raises(ValueError, match=r"found an optax.MultiStepsState .* opt.has_updated"):
       reader(state)
   # optax's own readers answer instead.
   _, state = opt.update(params, state, params)
