@@ -666,10 +666,7 @@ def accumulate(
   other calls return zeros and neither compute nor advance ``inner``. The host
   says which call ends a window with ``update(..., apply=<Python bool>)``, static
   in the jitted step: two programs, and :class:`accum_jax.HostSchedule` gives the
-  flags, reading ``every_k`` from the state. Left out, the device counts
-  ``every_k`` in one program (the device schedule).
-
-  See the guide: :doc:`/two_doors`.
+  flags. Left out, the device counts ``every_k`` (see :doc:`/two_doors`).
 
   Args:
     inner: the optimizer to run on the accumulated gradient, any Optax
