@@ -13,16 +13,17 @@ from importlib import metadata as _metadata
 from accum_jax import checkpoint as checkpoint
 from accum_jax import diagnostics as diagnostics
 from accum_jax import noise as noise
-from accum_jax._cached import cached_value_and_grad
-from accum_jax._host_schedule import HostSchedule
-from accum_jax._microbatch import MicrobatchInfo, grad, value_and_grad
-from accum_jax._multisteps import MultiSteps, MultiStepsState
-from accum_jax._options import DataParallel
-from accum_jax._schedules import EveryKSchedule, piecewise_every_k
-from accum_jax._sharding import UnknownShardingWarning
-from accum_jax._state import AccumulationState, has_updated, optimizer_step
-from accum_jax._stats import stats_value_and_grad
-from accum_jax._transform import accumulate
+from accum_jax._across_calls._host_schedule import HostSchedule
+from accum_jax._across_calls._multisteps import MultiSteps, MultiStepsState
+from accum_jax._across_calls._schedules import EveryKSchedule, piecewise_every_k
+from accum_jax._across_calls._state import AccumulationState, has_updated, optimizer_step
+from accum_jax._across_calls._transform import accumulate
+from accum_jax._inside_step._cached import cached_value_and_grad
+from accum_jax._inside_step._microbatch import grad, value_and_grad
+from accum_jax._inside_step._options import DataParallel
+from accum_jax._inside_step._result import MicrobatchInfo
+from accum_jax._inside_step._sharding import UnknownShardingWarning
+from accum_jax._inside_step._stats import stats_value_and_grad
 
 try:
   __version__ = _metadata.version("accum_jax")

@@ -5,6 +5,6 @@ shardings to restore a train state into, the accumulator sharded as its
 parameters. See the guide: :doc:`/guides/checkpoints`.
 """
 
-from accum_jax._resume import abstract_state, abstract_tree
+from accum_jax._across_calls._resume import abstract_state, abstract_tree
 
 __all__ = ("abstract_state", "abstract_tree")

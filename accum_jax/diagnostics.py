@@ -6,8 +6,8 @@ microbatched gradient with the whole batch's and says which option would fix a
 mismatch. See the guide: :doc:`/planner_parity`.
 """
 
-from accum_jax._parity import LeafDeviation, ParityReport, check_parity
-from accum_jax._planner import MemoryBudgetError, MicrobatchPlan, plan_microbatches
+from accum_jax._inside_step._parity import LeafDeviation, ParityReport, check_parity
+from accum_jax._inside_step._planner import MemoryBudgetError, MicrobatchPlan, plan_microbatches
 
 __all__ = ("LeafDeviation", "MemoryBudgetError", "MicrobatchPlan", "ParityReport",
            "check_parity", "plan_microbatches")

@@ -40,7 +40,8 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from accum_jax import _arguments, _microbatch, _options
+from accum_jax import _arguments
+from accum_jax._inside_step import _microbatch, _options
 
 __all__ = ("filter_grad", "filter_value_and_grad")
 

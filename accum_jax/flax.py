@@ -47,7 +47,8 @@ from jax.experimental.layout import Format
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from accum_jax import _arguments, _microbatch, _options
+from accum_jax import _arguments
+from accum_jax._inside_step import _microbatch, _options
 
 TrainStateT = TypeVar("TrainStateT", bound=train_state.TrainState)
 

@@ -12,8 +12,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from accum_jax._across_calls._state import find_state
 from accum_jax._noise import GradientNoise, NoiseScaleEMA, NoiseScaleSchedule, noise_scale_every_k
-from accum_jax._state import find_state
 
 __all__ = ("GradientNoise", "NoiseScaleEMA", "NoiseScaleSchedule", "last_window",
            "noise_scale_every_k")

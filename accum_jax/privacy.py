@@ -40,8 +40,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from accum_jax import _schedules, _state, _transform
-from accum_jax._inner_checks import (
+from accum_jax._across_calls import _schedules, _state, _transform
+from accum_jax._across_calls._inner_checks import (
   DP_AGGREGATE_STATE,
   RECIPE,
   GaussianNoiseState,

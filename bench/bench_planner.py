@@ -3,7 +3,7 @@
 The planner estimates the memory of ``jax.jit(accum_jax.value_and_grad(fun,
 N))`` from XLA's compiled memory analysis, ``argument + output + temp - alias``
 bytes, without running it. Here, for several N on the activation-dominated MLP
-of ``bench_microbatch.py``, each estimate (``accum_jax._planner._estimate_bytes``,
+of ``bench_microbatch.py``, each estimate (``accum_jax._inside_step._planner._estimate_bytes``,
 the function ``plan_microbatches`` bisects with) is set against the step's
 measured peak, each N in a fresh process (``_common.fresh_process_peak``):
 
@@ -38,7 +38,7 @@ from _common import environment, fresh_process_peak, markdown_table, write_json
 from bench_microbatch import ACCUM, input_shapes, loss_fn
 
 import accum_jax
-from accum_jax import _planner
+from accum_jax._inside_step import _planner
 
 _MIB = 2**20
 

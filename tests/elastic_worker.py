@@ -151,7 +151,7 @@ def resume(layout: str, checkpoint: str, output: str) -> None:
   import orbax.checkpoint as ocp
 
   import accum_jax
-  from accum_jax._resume import abstract_state
+  from accum_jax._across_calls._resume import abstract_state
 
   assert len(jax.devices()) == RESTORE_DEVICES, jax.devices()
   mesh = make_mesh(RESTORE_DEVICES)

@@ -11,7 +11,7 @@ import accum_jax.equinox
 import accum_jax.flax
 import accum_jax.privacy
 import accum_jax.testing
-from accum_jax import _options
+from accum_jax._inside_step import _options
 
 # The functions that take value_and_grad's options, by the name their errors use.
 TAKING_OPTIONS = {

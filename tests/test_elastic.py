@@ -30,7 +30,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import accum_jax
-from accum_jax._resume import abstract_state, abstract_tree
+from accum_jax._across_calls._resume import abstract_state, abstract_tree
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SUBPROCESS_TIMEOUT_S = 300

@@ -1,4 +1,4 @@
-"""Tests of accum_jax._parity: the full-batch check and its diagnoses."""
+"""Tests of accum_jax._inside_step._parity: the full-batch check and its diagnoses."""
 
 import math
 import re
@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import accum_jax
-from accum_jax._parity import LeafDeviation, ParityReport, _default_rtol, check_parity
+from accum_jax._inside_step._parity import LeafDeviation, ParityReport, _default_rtol, check_parity
 
 BATCH_SIZE = 8
 NUM_MICROBATCHES = 4

@@ -1,4 +1,4 @@
-"""Tests of accum_jax._planner: choosing num_microbatches from compiled memory."""
+"""Tests of accum_jax._inside_step._planner: choosing num_microbatches from compiled memory."""
 
 import dataclasses
 import functools
@@ -13,8 +13,8 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import accum_jax
-from accum_jax import _planner
-from accum_jax._planner import MemoryBudgetError, MicrobatchPlan, plan_microbatches
+from accum_jax._inside_step import _planner
+from accum_jax._inside_step._planner import MemoryBudgetError, MicrobatchPlan, plan_microbatches
 
 BATCH_SIZE = 256
 HUGE_BUDGET = 2**40

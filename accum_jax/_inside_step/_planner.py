@@ -56,7 +56,7 @@ from typing import Any
 
 import jax
 
-from accum_jax import _batching, _call, _microbatch, _options, _sharding
+from accum_jax._inside_step import _batching, _call, _microbatch, _options, _sharding
 
 _MIB = 2**20
 # The gather modes of sharded parameters, the leanest first; at equal

@@ -18,7 +18,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from accum_jax import _arguments, _core, _options
+from accum_jax import _arguments, _core
+from accum_jax._inside_step import _options
 
 
 class Fun(NamedTuple):

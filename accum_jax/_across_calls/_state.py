@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from accum_jax import _core, _schedules
+from accum_jax import _core
+from accum_jax._across_calls import _schedules
 
 
 class AccumulationState(NamedTuple):

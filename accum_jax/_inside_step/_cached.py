@@ -34,8 +34,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from accum_jax import _arguments, _batching, _call, _core, _microbatch, _options, _sharding, _trace
-from accum_jax._microbatch import MicrobatchInfo
+from accum_jax import _arguments, _core
+from accum_jax._inside_step import _batching, _call, _microbatch, _options, _sharding, _trace
+from accum_jax._inside_step._result import MicrobatchInfo
 
 # Options of value_and_grad that have no meaning here, and what to do instead.
 _REFUSED = {

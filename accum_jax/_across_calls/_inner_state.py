@@ -1,4 +1,7 @@
-"""A pytree kept as one vector per dtype: :class:`Packed`.
+"""The inner optimizer's state as :func:`accum_jax.accumulate`'s state keeps it.
+
+Placed like the parameters (:func:`sharded_like`), and with ``pack_inner_state``
+packed: a pytree kept as one vector per dtype, :class:`Packed`.
 
 Each array passed to a jitted call costs the host its dispatch (about 20 us a
 buffer on an H200 machine, 13 us on a 2-core CPU, whatever its size), and an Optax
@@ -22,6 +25,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+
+from accum_jax import _core
+from accum_jax._across_calls import _update_args
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +70,7 @@ class Packed:
     return jax.tree.unflatten(self.treedef, leaves)
 
 
-def pack(tree: Any) -> Packed:
+def pack_tree(tree: Any) -> Packed:
   """``tree`` as a :class:`Packed`: its arrays grouped by dtype, in order."""
   leaves, treedef = jax.tree.flatten(tree)
   groups: dict[Any, list[Any]] = {}
@@ -89,7 +95,7 @@ def pack(tree: Any) -> Packed:
 def repack(packed: Packed, tree: Any) -> Packed:
   """``tree`` (of ``packed``'s structure, each leaf cast to its slot's dtype) packed
   in ``packed``'s slots, so that the state keeps one structure across calls."""
-  new = pack(jax.tree.map(
+  new = pack_tree(jax.tree.map(
       lambda x, s: jax.lax.convert_element_type(x, s.dtype) if s.group >= 0 else x,
       tree, jax.tree.unflatten(packed.treedef, list(packed.slots))))
   if new.slots != packed.slots:
@@ -98,3 +104,57 @@ def repack(packed: Packed, tree: Any) -> Packed:
         " weak types), which pack_inner_state=True cannot keep in place: pass"
         " pack_inner_state=False.")
   return new
+
+
+def stored(inner_state: Any, params: Any, *, pack: bool) -> Any:
+  """The inner state as the state keeps it: packed with ``pack_inner_state``."""
+  if not pack:
+    return inner_state
+  _update_args.check_packable(params)
+  return pack_tree(inner_state)
+
+
+def tree_of(stored: Any) -> Any:
+  """The inner optimizer's own tree of a stored inner state."""
+  return stored.unpack() if isinstance(stored, Packed) else stored
+
+
+def sharded_like(tree: Any, params: Any) -> Any:
+  """``tree`` with each parameter-shaped leaf sharded like its parameter.
+
+  An optimizer's ``init`` makes its moments with ``jnp.zeros_like``; under
+  ``jax.jit`` with automatic sharding such zeros have no sharding of their own and
+  come out replicated: Adam's moments of FSDP-sharded parameters would cost every
+  device the whole model. A leaf belongs to a parameter when its key path ends
+  with the parameter's and it has the parameter's shape (the rule of
+  :func:`accum_jax.checkpoint.abstract_state`); it gets the parameter's sharding: placed
+  there (concrete arrays), resharded (explicit sharding), or, with automatic
+  sharding, by adding zeros made from the parameter (:func:`_core.zeros_like`),
+  whose sharding XLA then propagates to it.
+  """
+  by_path = {tuple(path): p for path, p in jax.tree.leaves_with_path(params)}
+
+  def parameter_of(path: tuple[Any, ...], leaf: Any) -> Any:
+    for start in range(len(path) + 1):  # the longest matching path first
+      p = by_path.get(path[start:])
+      if p is not None and jnp.shape(p) == jnp.shape(leaf):
+        return p
+    return None
+
+  def shard(path, leaf):
+    p = parameter_of(tuple(path), leaf)
+    if p is None or not jnp.issubdtype(jnp.result_type(leaf), jnp.inexact):
+      return leaf
+    if not isinstance(leaf, jax.core.Tracer) and not isinstance(p, jax.core.Tracer):
+      sharding = getattr(p, "sharding", None)  # None for NumPy parameters
+      current = getattr(leaf, "sharding", None)
+      if sharding is None or (current and current.is_equivalent_to(sharding, leaf.ndim)):
+        return leaf
+      return jax.device_put(leaf, sharding)
+    if _core.explicitly_sharded(p):  # the type carries the sharding
+      if jax.typeof(leaf).sharding == jax.typeof(p).sharding:
+        return leaf
+      return jax.sharding.reshard(leaf, jax.typeof(p).sharding)
+    return leaf + _core.zeros_like(p, jnp.result_type(leaf))
+
+  return jax.tree.map_with_path(shard, tree)

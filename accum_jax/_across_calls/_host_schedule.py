@@ -15,8 +15,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from accum_jax import _state
-from accum_jax._schedules import host_window_length
+from accum_jax._across_calls import _state
+from accum_jax._across_calls._schedules import host_window_length
 
 
 class HostSchedule:

@@ -31,8 +31,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from accum_jax import _arguments, _call, _core, _microbatch, _options, _sharding, _trace
-from accum_jax._trace import describe as _describe
+from accum_jax import _arguments, _core
+from accum_jax._inside_step import _call, _microbatch, _options, _sharding, _trace
+from accum_jax._inside_step._trace import describe as _describe
 
 
 def _split_out(out: Any, has_aux: bool) -> tuple[Any, Any, Any]:

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from accum_jax import _call, _microbatch, _options, _planner, _sharding
+from accum_jax._inside_step import _call, _microbatch, _options, _planner, _result, _sharding
 
 # Names of batch leaves that hold per-element validity or weights.
 _MASK_NAMES = ("mask", "valid", "padding", "weight")
@@ -354,7 +354,7 @@ def _diagnose(
     round_off: Mapping[str, float],
     full: tuple[Any, Any],
     full_aux: Any,
-    info: _microbatch.MicrobatchInfo,
+    info: _result.MicrobatchInfo,
     num_microbatches: int,
     num_shards: int,
     run_micro: Callable[[Mapping[str, Any]], tuple[Any, Any, Any]],
@@ -405,7 +405,7 @@ def _non_finite_reference(full: tuple[Any, Any]) -> list[str]:
 def _skipped_hints(
     parsed: _options.Options,
     options: Mapping[str, Any],
-    info: _microbatch.MicrobatchInfo,
+    info: _result.MicrobatchInfo,
     num_microbatches: int,
     num_shards: int,
     run_micro: Callable[[Mapping[str, Any]], tuple[Any, Any, Any]],
@@ -431,7 +431,7 @@ def _skipped_hints(
 
 def _skipped_step_hint(
     options: Mapping[str, Any],
-    info: _microbatch.MicrobatchInfo,
+    info: _result.MicrobatchInfo,
     num_microbatches: int,
     num_shards: int,
     run_micro: Callable[[Mapping[str, Any]], tuple[Any, Any, Any]],

@@ -20,7 +20,8 @@ from typing import Any, overload
 import jax
 import jax.numpy as jnp
 
-from accum_jax import _arguments, _batching, _core, _options, _sharding, _trace
+from accum_jax import _arguments, _core
+from accum_jax._inside_step import _batching, _options, _sharding, _trace
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,7 +24,8 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 
-from accum_jax import _arguments, _batching, _core, _sharding
+from accum_jax import _arguments, _core
+from accum_jax._inside_step import _batching, _sharding
 
 AuxReduction = Literal["mean", "sum", "max", "last", "stack", "concat"]
 AUX_REDUCTIONS: tuple[str, ...] = ("mean", "sum", "max", "last", "stack", "concat")

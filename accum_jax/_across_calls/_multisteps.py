@@ -16,8 +16,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from accum_jax import _arguments, _core, _schedules, _transform, _update_args
-from accum_jax._state import AccumulationState
+from accum_jax import _arguments, _core
+from accum_jax._across_calls import _schedules, _transform, _update_args
+from accum_jax._across_calls._state import AccumulationState
 
 # optax's class itself, re-exported: accum_jax.MultiSteps' state, and Optax's.
 MultiStepsState = optax.MultiStepsState

@@ -1,6 +1,6 @@
 """Many devices: where each gradient leaf is reduced, decided once per call.
 
-Under ``mesh=``, each device scans its own rows of the batch inside
+Under ``DataParallel(mesh=...)``, each device scans its own rows of the batch inside
 ``jax.shard_map`` (manual over the data axes only; tensor axes stay automatic).
 Per differentiated leaf, the parameter's sharding decides what crosses devices
 (a :class:`Plan`, made by :func:`plan`)::
@@ -24,12 +24,10 @@ its own device before anything crosses devices.
 
 The sharding of a parameter is read from its type (explicit mesh axes), from
 the array itself (an eager call, the planner), or from ``param_sharding=``. Under
-``jax.jit`` with automatic axes the traced function cannot see its arguments'
-shardings: ``jax.jit`` keys its trace on types that leave automatic axes out, so
-one trace serves a call with sharded parameters and one with replicated ones, and
-only the compiler learns which. Without ``param_sharding=`` such a parameter
-counts as replicated (data parallel, the common case, keeps its one reduction per
-step), and :class:`UnknownShardingWarning` says so at trace time.
+``jax.jit`` with automatic axes a trace cannot see its arguments' shardings (one
+trace serves sharded and replicated parameters alike): without
+``param_sharding=`` such a parameter counts as replicated (data parallel keeps its
+one reduction per step), and :class:`UnknownShardingWarning` says so.
 """
 
 from __future__ import annotations

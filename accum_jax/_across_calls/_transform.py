@@ -27,9 +27,15 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from accum_jax import _arguments, _core, _inner_checks, _noise, _packing, _update_args
-from accum_jax._schedules import ConstantEveryK, EveryKSchedule, WindowSchedule, check_every_k
-from accum_jax._state import AccumulationState
+from accum_jax import _arguments, _core, _noise
+from accum_jax._across_calls import _inner_checks, _inner_state, _update_args
+from accum_jax._across_calls._schedules import (
+  ConstantEveryK,
+  EveryKSchedule,
+  WindowSchedule,
+  check_every_k,
+)
+from accum_jax._across_calls._state import AccumulationState
 
 
 class ShouldSkipUpdateFunction(Protocol):
@@ -81,7 +87,7 @@ class _Options(NamedTuple):
   accumulator_dtype: Any
   on_nonfinite: str  # one of _update_args.ON_NONFINITE
   skip_fn: ShouldSkipUpdateFunction
-  pack_inner_state: bool  # the inner state kept as one vector per dtype (_packing)
+  pack_inner_state: bool  # the inner state kept as one vector per dtype (_inner_state)
 
 
 class _Call(NamedTuple):
@@ -158,7 +164,8 @@ def _init(options: _Options, params: Any) -> AccumulationState:
   return AccumulationState(
       accumulator=_empty_window(options, grads_like),
       optimizer_step=jnp.zeros((), jnp.int32),
-      inner_opt_state=_stored_inner_state(options, _sharded_like(inner_state, params), params),
+      inner_opt_state=_inner_state.stored(_inner_state.sharded_like(inner_state, params), params,
+                                           pack=options.pack_inner_state),
       last_updated=jnp.array(False),
       num_empty_windows=jnp.zeros((), jnp.int32),
       value_accumulator=_core.init(jnp.zeros((), jnp.float32), jnp.float32),
@@ -172,60 +179,6 @@ def _init(options: _Options, params: Any) -> AccumulationState:
 def _empty_window(options: _Options, grads_like: Any) -> _core.Accumulator:
   """The empty accumulator, of the gradient's tree."""
   return _core.init(grads_like, options.accumulator_dtype, _kinds(options, grads_like))
-
-
-def _stored_inner_state(options: _Options, inner_state: Any, params: Any) -> Any:
-  """The inner state as the state keeps it: packed with ``pack_inner_state``."""
-  if not options.pack_inner_state:
-    return inner_state
-  _update_args.check_packable(params)
-  return _packing.pack(inner_state)
-
-
-def _inner_tree(stored: Any) -> Any:
-  """The inner optimizer's own tree of a stored inner state."""
-  return stored.unpack() if isinstance(stored, _packing.Packed) else stored
-
-
-def _sharded_like(tree: Any, params: Any) -> Any:
-  """``tree`` with each parameter-shaped leaf sharded like its parameter.
-
-  An optimizer's ``init`` makes its moments with ``jnp.zeros_like``; under
-  ``jax.jit`` with automatic sharding such zeros have no sharding of their own and
-  come out replicated: Adam's moments of FSDP-sharded parameters would cost every
-  device the whole model. A leaf belongs to a parameter when its key path ends
-  with the parameter's and it has the parameter's shape (the rule of
-  :func:`accum_jax.checkpoint.abstract_state`); it gets the parameter's sharding: placed
-  there (concrete arrays), resharded (explicit sharding), or, with automatic
-  sharding, by adding zeros made from the parameter (:func:`_core.zeros_like`),
-  whose sharding XLA then propagates to it.
-  """
-  by_path = {tuple(path): p for path, p in jax.tree.leaves_with_path(params)}
-
-  def parameter_of(path: tuple[Any, ...], leaf: Any) -> Any:
-    for start in range(len(path) + 1):  # the longest matching path first
-      p = by_path.get(path[start:])
-      if p is not None and jnp.shape(p) == jnp.shape(leaf):
-        return p
-    return None
-
-  def shard(path, leaf):
-    p = parameter_of(tuple(path), leaf)
-    if p is None or not jnp.issubdtype(jnp.result_type(leaf), jnp.inexact):
-      return leaf
-    if not isinstance(leaf, jax.core.Tracer) and not isinstance(p, jax.core.Tracer):
-      sharding = getattr(p, "sharding", None)  # None for NumPy parameters
-      current = getattr(leaf, "sharding", None)
-      if sharding is None or (current and current.is_equivalent_to(sharding, leaf.ndim)):
-        return leaf
-      return jax.device_put(leaf, sharding)
-    if _core.explicitly_sharded(p):  # the type carries the sharding
-      if jax.typeof(leaf).sharding == jax.typeof(p).sharding:
-        return leaf
-      return jax.sharding.reshard(leaf, jax.typeof(p).sharding)
-    return leaf + _core.zeros_like(p, jnp.result_type(leaf))
-
-  return jax.tree.map_with_path(shard, tree)
 
 
 def _kinds(options: _Options, grads: Any) -> tuple[str, ...]:
@@ -399,12 +352,12 @@ def _emit(options, call, window, inner_state, acc, value_window, last_noise, car
 
   def update(inner_state, last_noise):
     del last_noise
-    tree = _inner_tree(inner_state)
+    tree = _inner_state.tree_of(inner_state)
     new_updates, new_tree = _inner_update(options, call, tree, acc, value_window)
     window_noise = _window_noise(window.noise, acc, call) if options.track_noise else ()
     new_tree = _cast_like(new_tree, tree)
-    if isinstance(inner_state, _packing.Packed):
-      new_tree = _packing.repack(inner_state, new_tree)
+    if isinstance(inner_state, _inner_state.Packed):
+      new_tree = _inner_state.repack(inner_state, new_tree)
     return _cast_like(new_updates, carrier), new_tree, window_noise
 
   def refuse(inner_state, last_noise):
@@ -467,7 +420,7 @@ def _step_inner(options, call, state, window) -> _Inner:
   # The shapes and dtypes of the inner update (an abstract trace; nothing is computed).
   update_shapes, _ = jax.eval_shape(
       functools.partial(_inner_update, options, call),
-      _inner_tree(state.inner_opt_state), window.accumulator, window.value_accumulator,
+      _inner_state.tree_of(state.inner_opt_state), window.accumulator, window.value_accumulator,
   )
   step = _device_step if call.apply is None else _host_step
   return step(options, call, state, window, update_shapes)
