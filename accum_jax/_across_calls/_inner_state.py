@@ -93,15 +93,23 @@ def pack_tree(tree: Any) -> Packed:
 
 
 def repack(packed: Packed, tree: Any) -> Packed:
-  """``tree`` (of ``packed``'s structure, each leaf cast to its slot's dtype) packed
-  in ``packed``'s slots, so that the state keeps one structure across calls."""
-  new = pack_tree(jax.tree.map(
-      lambda x, s: jax.lax.convert_element_type(x, s.dtype) if s.group >= 0 else x,
-      tree, jax.tree.unflatten(packed.treedef, list(packed.slots))))
+  """``tree``'s leaves (as many as ``packed``'s, each cast to its slot's dtype) packed
+  in ``packed``'s slots and structure, so that the state keeps one structure across
+  calls (a framework may wrap the leaves the inner update returns, as
+  ``nnx.Optimizer`` does its parameters: the leaves are what count)."""
+  leaves = jax.tree.leaves(tree)
+  if len(leaves) != len(packed.slots):
+    raise ValueError(
+        f"The inner optimizer's update returned {len(leaves)} state leaves where its init"
+        f" made {len(packed.slots)}, which pack_inner_state=True cannot keep in place:"
+        " pass pack_inner_state=False.")
+  cast = [jax.lax.convert_element_type(x, s.dtype) if s.group >= 0 else x
+          for x, s in zip(leaves, packed.slots)]
+  new = pack_tree(jax.tree.unflatten(packed.treedef, cast))
   if new.slots != packed.slots:
     raise ValueError(
-        "The inner optimizer's update changed its state's leaves (their number, shapes or"
-        " weak types), which pack_inner_state=True cannot keep in place: pass"
+        "The inner optimizer's update changed its state's leaves (their shapes or weak"
+        " types), which pack_inner_state=True cannot keep in place: pass"
         " pack_inner_state=False.")
   return new
 

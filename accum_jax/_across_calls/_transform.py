@@ -355,9 +355,10 @@ def _emit(options, call, window, inner_state, acc, value_window, last_noise, car
     tree = _inner_state.tree_of(inner_state)
     new_updates, new_tree = _inner_update(options, call, tree, acc, value_window)
     window_noise = _window_noise(window.noise, acc, call) if options.track_noise else ()
-    new_tree = _cast_like(new_tree, tree)
     if isinstance(inner_state, _inner_state.Packed):
-      new_tree = _inner_state.repack(inner_state, new_tree)
+      new_tree = _inner_state.repack(inner_state, new_tree)  # its leaves cast in place
+    else:
+      new_tree = _cast_like(new_tree, tree)
     return _cast_like(new_updates, carrier), new_tree, window_noise
 
   def refuse(inner_state, last_noise):
