@@ -234,8 +234,8 @@ def _step(dev: _Device, decide: _Decide, carry: _Carry, x: _Inputs):
   kept, noise, state = admission.keep, carry.noise, carry.state
   if dev.options.gradient_noise:  # without weight_fn, a microbatch weighs its rows
     size = dev.call.rows if weight is None else weight
-    grads = _result.gradients_only(out.grads, dev.shapes)
-    noise = _noise.add(noise, grads, size, kept, scale=share)
+    own = _result.gradients_only(out.grads, dev.shapes)
+    noise = _noise.add(noise, own, size, kept, scale=share)
   value = _core.masked(out.value, kept)
   first = acc.weight == 0  # nothing kept before this microbatch
   acc = _core.add_share(acc, (value, grads), admission, dev.batch_weight, dev.shapes.kinds)
