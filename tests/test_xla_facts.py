@@ -188,3 +188,28 @@ def test_output_bytes_are_the_gradient_the_loss_and_a_pointer_per_output(mode, w
   compiled, _, _, cost = cost_model._compiled(mode, width, layers, k)
   output = compiled.memory_analysis().output_size_in_bytes
   assert output == cost.output + 4 + 8 * (layers + 1), (output, cost.output)
+
+
+@pytest.mark.xla_fact
+def test_reading_the_optax_state_adds_no_kernel_to_the_micro_step():
+  # The conversions between optax.MultiStepsState and accumulate's window are
+  # elementwise, and fuse into the add: a jitted train step of a 16-leaf model
+  # launches no more top-level fusions or copies than accumulate's own (on
+  # XLA:CPU at the time of writing, 55 fusions and 1 copy against 57 and 2).
+  from accum_jax.testing import kernel_counts
+
+  params = {f"layer{i}": jnp.zeros((8, 4)) for i in range(16)}
+  counts = {}
+  for name, opt in {
+      "MultiSteps": accum_jax.MultiSteps(optax.adam(1e-3), 4),
+      "accumulate": accum_jax.accumulate(optax.adam(1e-3), 4),
+  }.items():
+    def step(params, state, grads, opt=opt):
+      updates, state = opt.update(grads, state, params)
+      return optax.apply_updates(params, updates), state
+
+    program = jax.jit(step, donate_argnums=(0, 1)).lower(params, opt.init(params), params)
+    counts[name] = kernel_counts(program.compile())
+  assert counts["MultiSteps"].fusions <= counts["accumulate"].fusions, counts
+  assert counts["MultiSteps"].copies <= counts["accumulate"].copies, counts
+  assert counts["MultiSteps"].conditionals == 1, counts

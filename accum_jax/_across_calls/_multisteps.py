@@ -10,6 +10,7 @@ the add of the gradient.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import jax
@@ -126,6 +127,16 @@ def _window_gradient(acc: _core.Accumulator, kinds: tuple[str, ...]) -> Any:
   return jax.tree.map(read, acc.total, kinds_tree)
 
 
+_OPTAX_DEFAULT: Any = object()  # accumulator_dtype left out: the installed optax's
+
+
+def _optax_accumulator_dtype() -> Any:
+  """``optax.MultiSteps``' default ``accumulator_dtype``; None (the parameters'
+  dtype) for an optax that has no such argument."""
+  parameter = inspect.signature(optax.MultiSteps).parameters.get("accumulator_dtype")
+  return None if parameter is None else parameter.default
+
+
 class MultiSteps:
   """Drop-in replacement for ``optax.MultiSteps``.
 
@@ -156,9 +167,10 @@ class MultiSteps:
     use_grad_mean: average the accumulated gradients (True) or sum them.
     should_skip_update_fn: an Optax skip function such as
       ``optax.skip_not_finite``; a mini-step it rejects is not accumulated.
-    accumulator_dtype: the dtype of ``acc_grads``, float32 by default; None keeps
-      the parameters' dtype. Each call accumulates in the promotion of it and the
-      gradient's dtype.
+    accumulator_dtype: the dtype of ``acc_grads``; by default the installed
+      ``optax.MultiSteps``' (float32; an optax without the argument keeps the
+      parameters' dtype), so that its states restore; None keeps the parameters'
+      dtype. Each call accumulates in the promotion of it and the gradient's dtype.
 
   Examples:
     >>> import jax.numpy as jnp, optax, accum_jax
@@ -179,8 +191,10 @@ class MultiSteps:
       every_k_schedule: int | _schedules.EveryKSchedule,
       use_grad_mean: bool = True,
       should_skip_update_fn: _transform.ShouldSkipUpdateFunction | None = None,
-      accumulator_dtype: Any = jnp.float32,
+      accumulator_dtype: Any = _OPTAX_DEFAULT,
   ):
+    if accumulator_dtype is _OPTAX_DEFAULT:
+      accumulator_dtype = _optax_accumulator_dtype()
     self._opt = optax.with_extra_args_support(opt)
     self._reduction = "mean" if use_grad_mean else "sum"
     self._transform = _transform._accumulate(
