@@ -127,14 +127,15 @@ def _window_gradient(acc: _core.Accumulator, kinds: tuple[str, ...]) -> Any:
   return jax.tree.map(read, acc.total, kinds_tree)
 
 
-_OPTAX_DEFAULT: Any = object()  # accumulator_dtype left out: the installed optax's
-
-
 def _optax_accumulator_dtype() -> Any:
   """``optax.MultiSteps``' default ``accumulator_dtype``; None (the parameters'
   dtype) for an optax that has no such argument."""
   parameter = inspect.signature(optax.MultiSteps).parameters.get("accumulator_dtype")
   return None if parameter is None else parameter.default
+
+
+# The installed optax's default, so that a MultiSteps state restores into either.
+_OPTAX_ACCUMULATOR_DTYPE = _optax_accumulator_dtype()
 
 
 class MultiSteps:
@@ -191,10 +192,8 @@ class MultiSteps:
       every_k_schedule: int | _schedules.EveryKSchedule,
       use_grad_mean: bool = True,
       should_skip_update_fn: _transform.ShouldSkipUpdateFunction | None = None,
-      accumulator_dtype: Any = _OPTAX_DEFAULT,
+      accumulator_dtype: Any = _OPTAX_ACCUMULATOR_DTYPE,
   ):
-    if accumulator_dtype is _OPTAX_DEFAULT:
-      accumulator_dtype = _optax_accumulator_dtype()
     self._opt = optax.with_extra_args_support(opt)
     self._reduction = "mean" if use_grad_mean else "sum"
     self._transform = _transform._accumulate(
