@@ -1,4 +1,5 @@
-"""Helpers shared by the benchmarks: timing, compiled cost, sizes, output, peak memory."""
+"""Helpers shared by the benchmarks: timing, sizes, output and plots, budgets and
+failures, the hand-written scan, and the peak memory of one step in a fresh process."""
 
 from __future__ import annotations
 
@@ -8,79 +9,20 @@ import importlib
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import jax
-
-from accum_jax.testing import copied_shapes, hlo_shape
+import jax.numpy as jnp
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-
-
-def time_samples(
-    fn: Callable[..., Any], *args: Any, repeats: int = 5, warmup: int = 1
-) -> list[float]:
-  """Wall-clock seconds of each of ``repeats`` calls ``fn(*args)``.
-
-  Every call is followed by ``jax.block_until_ready`` on its result, so the
-  time covers the computation, not just the asynchronous dispatch. ``warmup``
-  untimed calls come first (compilation, caches).
-  """
-  for _ in range(warmup):
-    jax.block_until_ready(fn(*args))
-  samples = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    samples.append(time.perf_counter() - start)
-  return samples
-
-
-def time_fn(fn: Callable[..., Any], *args: Any, repeats: int = 5, warmup: int = 1) -> float:
-  """Median wall-clock seconds of ``fn(*args)``; see :func:`time_samples`."""
-  return statistics.median(time_samples(fn, *args, repeats=repeats, warmup=warmup))
-
-
-def cost_analysis(compiled: jax.stages.Compiled) -> dict[str, float]:
-  """XLA's cost analysis of a compiled function as one dict.
-
-  Some jax versions return a list with one dict per device program; the first
-  is taken. Keys of interest: ``"flops"``, ``"bytes accessed"``. Note that for
-  a conditional XLA counts the costliest branch, not both and not the one that
-  runs: the figure is a static per-call upper bound.
-  """
-  costs = compiled.cost_analysis()
-  if isinstance(costs, (list, tuple)):
-    costs = costs[0] if costs else {}
-  return dict(costs or {})
-
-
-def compiled_flops(jitted: Any, *args: Any, **kwargs: Any) -> float:
-  """FLOPs XLA reports for one call of ``jitted(*args, **kwargs)``; nan if none."""
-  costs = cost_analysis(jitted.lower(*args, **kwargs).compile())
-  return float(costs.get("flops", float("nan")))
-
-
-def full_size_copies(compiled: jax.stages.Compiled, like: Any) -> int:
-  """``copy`` instructions in ``compiled``'s HLO of arrays as large as ``like``'s largest.
-
-  A copy of a full-size array is a pass over memory that the computation did not
-  ask for: XLA inserts one where it cannot give an output the buffer of the input
-  it was computed from (donation paired that buffer with another output, or two
-  outputs share one value, such as the zeros of several update leaves). Static:
-  a copy in a conditional's branch counts whether or not the branch runs; read
-  with ``accum_jax.testing.copied_shapes``, in every computation.
-  """
-  leaves = jax.tree.leaves(like)
-  largest = max(x.size for x in leaves)
-  shapes = {hlo_shape(x) for x in leaves if x.size == largest}
-  return sum(shape in shapes for shape in copied_shapes(compiled, "all"))
 
 
 def tree_nbytes(tree: Any) -> int:
@@ -155,6 +97,46 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
   return "\n".join([line(headers), line(rule)] + [line(r) for r in cells])
 
 
+def plot_against_n(
+    ns: Sequence[int], panels: Sequence[tuple[str, str, dict[str, Any], Any]], title: str,
+    name: str, *, copy_to: Path | None = None, figsize: tuple[float, float] = (10, 4),
+) -> list[Path]:
+  """Panels of lines against the number of microbatches N (a log-2 axis), saved to
+  ``bench/results/<name>.png`` and copied to ``copy_to`` if given; the paths written.
+
+  ``panels``: per panel ``(ylabel, title, lines, extra)``: ``lines`` maps a label to
+  ``(values, (color, marker, linestyle))``; ``extra(ax)``, or None, draws the rest.
+  """
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, axes = plt.subplots(1, len(panels), figsize=figsize, dpi=100)
+  for ax, (ylabel, panel_title, lines, extra) in zip(axes, panels):
+    for label, (values, (color, marker, linestyle)) in lines.items():
+      ax.plot(ns, values, color=color, marker=marker, linestyle=linestyle, label=label)
+    if extra is not None:
+      extra(ax)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ns, [str(n) for n in ns])
+    ax.set_xlabel("number of microbatches N")
+    ax.set_ylabel(ylabel)
+    ax.set_title(panel_title, fontsize=10)
+    ax.grid(True, alpha=0.3)
+  axes[0].legend(fontsize=7)
+  fig.suptitle(title, fontsize=10)
+  fig.tight_layout()
+  path = RESULTS_DIR / f"{name}.png"
+  path.parent.mkdir(parents=True, exist_ok=True)
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+  if copy_to is None:
+    return [path]
+  shutil.copyfile(path, copy_to)
+  return [path, copy_to]
+
+
 def _is_number(x: Any) -> bool:
   if isinstance(x, (int, float)):
     return True
@@ -173,8 +155,8 @@ def time_interleaved(
   The functions take turns, one call each per round, and the round starts one
   function further each time: drift in the machine's speed (other processes,
   clocks, thermal state) falls on all of them alike instead of on whichever ran
-  last. Each call is blocked on, as in :func:`time_samples`; ``warmup`` untimed
-  calls of each come first.
+  last. Each call is blocked on (``jax.block_until_ready``), so that the time covers
+  the computation, not only its dispatch; ``warmup`` untimed calls of each come first.
   """
   names = list(fns)
   for name in names:
@@ -183,7 +165,9 @@ def time_interleaved(
   samples: dict[str, list[float]] = {name: [] for name in names}
   for r in range(rounds):
     for name in names[r % len(names):] + names[: r % len(names)]:
-      samples[name] += time_samples(fns[name], repeats=1, warmup=0)
+      start = time.perf_counter()
+      jax.block_until_ready(fns[name]())
+      samples[name].append(time.perf_counter() - start)
   return samples
 
 
@@ -195,35 +179,85 @@ def quartiles(samples: Sequence[float]) -> tuple[float, float]:
   return q[0], q[2]
 
 
-# Peak memory of one step, measured in a fresh process.
-#
-# What we want is the memory one compiled step needs while it runs (its
-# temporaries and outputs), apart from what the process held before (the
-# Python and XLA runtime, the arguments) and apart from what compiling took.
-#
-# CPU: the kernel keeps the process's resident-set high-water mark (VmHWM in
-# /proc/self/status). After compiling, the worker frees what it can (gc,
-# malloc_trim), resets the mark to the current resident size (writing "5" to
-# /proc/self/clear_refs, Linux >= 4.0), runs the step and reads the mark: the
-# step's growth is VmHWM - VmRSS before the step. This is done twice. The first
-# call also faults in one-time things that are no part of any step's working
-# memory (runtime thread stacks, code pages, lazily built runtime state: about
-# 10 MiB on the CPU here, whatever the model); it is kept as first_call_peak_bytes. The
-# second call, its predecessor's outputs freed, gives step_peak_bytes. glibc is told to serve
-# every allocation of 1 MiB or more with its own mmap (MALLOC_MMAP_THRESHOLD_),
-# so that XLA's buffers come as fresh pages, are counted when touched, and go
-# back to the kernel when freed, instead of reusing heap memory that compiling
-# left resident (which would hide part of the step). Where clear_refs cannot be
-# written, the growth of ru_maxrss over the step is used; it is 0 (and flagged)
-# when the step stays below the compile's own peak.
-#
-# GPU: device.memory_stats() of the XLA allocator, without preallocation:
-# peak_bytes_in_use after the step minus bytes_in_use before it. The peak
-# cannot be reset, so it is flagged as masked when an earlier peak (setting up,
-# autotuning at compile time) is not exceeded by the step.
-#
-# A fresh process per measurement: nothing from another program (caches, heap
-# fragmentation, the allocator's pools) is left to distort the figure.
+# ---------------------------------------------------------------------------
+# Budgets and failures: a run that must end inside a job's time, and a row that runs out
+# of memory, are results, not crashes.
+
+
+class Budget:
+  """Deadlines: each phase may start new work until its share of ``seconds`` is spent
+  (0: no limit). Work started before its deadline runs to its end, so a run ends, its
+  JSON written, one configuration's time after the budget at most."""
+
+  # Cumulative shares of the budget at which each phase stops starting new work.
+  SHARES = {"step": 0.75, "across_calls": 0.85, "loop": 0.92, "fit": 1.0}
+  # bench_gpu.py --quick: by the times of a run on an H200 (245 s), the pairs 8x1 and
+  # 8x4, the four rows of the across-calls figures, the loop's first six loops.
+  QUICK_SHARES = {"step": 0.36, "across_calls": 0.54, "loop": 0.93}
+
+  def __init__(self, seconds: float, shares: dict[str, float] | None = None):
+    self.start = time.perf_counter()
+    self.seconds = seconds
+    self.shares = shares or self.SHARES
+
+  def left(self, phase: str) -> bool:
+    if not self.seconds:
+      return True
+    return time.perf_counter() - self.start < self.seconds * self.shares[phase]
+
+
+def is_oom(error: BaseException) -> bool:
+  text = str(error)
+  return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
+
+
+def error_status(error: BaseException) -> str:
+  """``OOM``, or the error's type and first line."""
+  if is_oom(error):
+    return "OOM"
+  return f"error: {type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
+
+
+def report_failure(name: str, error: BaseException) -> str:
+  """Prints a failure (with its traceback unless out of memory) and returns its status."""
+  status = error_status(error)
+  if status != "OOM":
+    traceback.print_exc()
+  print(f"    {name}: {status}", flush=True)
+  return status
+
+
+# ---------------------------------------------------------------------------
+# The reference inside a step.
+
+
+def hand_written_scan(loss: Callable, num_microbatches: int) -> Callable:
+  """The loop users write (MaxText, Levanter): the batch reshaped to ``(N, B / N, ...)``,
+  ``jax.value_and_grad`` in a ``lax.scan`` body, float32 sums, divided by N after and
+  cast back to the parameters' dtype."""
+
+  def value_and_grad(params, batch):
+    microbatches = jax.tree.map(
+        lambda x: x.reshape(num_microbatches, -1, *x.shape[1:]), batch)
+
+    def body(total, microbatch):
+      out = jax.value_and_grad(loss)(params, microbatch)
+      return jax.tree.map(lambda s, x: s + x.astype(jnp.float32), total, out), None
+
+    zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), (jnp.zeros(()), params))
+    (value, grads), _ = jax.lax.scan(body, zeros, microbatches)
+    return value / num_microbatches, jax.tree.map(
+        lambda g, p: (g / num_microbatches).astype(p.dtype), grads, params)
+
+  return value_and_grad
+
+
+# Peak memory of one step, measured in a fresh process (bench/README.md, "How the peak
+# memory of one step is measured"): on a CPU the growth of the resident set over the
+# step (the kernel's high-water mark, reset before it through /proc/self/clear_refs;
+# every allocation of 1 MiB or more its own mmap, so that XLA's buffers are fresh
+# pages); on a GPU the allocator's peak over what was in use before the step. A fresh
+# process, so that nothing of another program (caches, fragmentation, pools) distorts it.
 
 _PEAK_MARKER = "PEAK_RESULT_JSON:"
 _MMAP_THRESHOLD = 1 << 20
@@ -266,36 +300,6 @@ def _reset_peak_rss() -> bool:
   return True
 
 
-def run_json_worker(
-    command: Sequence[str], *, env: Mapping[str, str] | None = None, timeout: float = 600,
-    cpus: int | None = None,
-) -> dict[str, Any]:
-  """Runs ``command`` and returns the JSON on its last ``PEAK_RESULT_JSON:`` line.
-
-  ``env`` is added to this process's environment; with ``cpus``, the worker may
-  run on only that many of this process's CPUs (XLA:CPU sizes its thread pool by
-  them). A worker that fails raises ``RuntimeError`` with the end of its output.
-  """
-  full_env = {**os.environ, **(env or {})}
-  allowed = sorted(os.sched_getaffinity(0))[:cpus] if cpus else None
-  proc = subprocess.run(
-      list(command), env=full_env, capture_output=True, text=True, timeout=timeout,
-      preexec_fn=(lambda: os.sched_setaffinity(0, allowed)) if allowed else None,
-  )
-  for line in reversed(proc.stdout.splitlines()):
-    if line.startswith(_PEAK_MARKER):
-      return json.loads(line[len(_PEAK_MARKER):])
-  raise RuntimeError(
-      f"worker {' '.join(command)} returned {proc.returncode} without a result:\n"
-      f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-  )
-
-
-def print_worker_result(result: Mapping[str, Any]) -> None:
-  """What a worker run by :func:`run_json_worker` prints last."""
-  print(_PEAK_MARKER + json.dumps(result, default=_to_json), flush=True)
-
-
 def fresh_process_peak(
     builder: str, config: Mapping[str, Any], *, timeout: float = 600, cpus: int | None = None,
     xla_flags: str | None = None,
@@ -303,35 +307,38 @@ def fresh_process_peak(
   """The memory of one step of a compiled function, measured in a new process.
 
   Args:
-    builder: ``"module:function"``, a module in ``bench/``. The function is
-      called with ``**config`` in the new process and returns ``(jitted, args)``:
-      the ``jax.jit``-ed step and its arguments, already on the device. Build
-      the arguments with NumPy and ``jax.device_put`` so that setting up leaves
-      no temporaries behind.
+    builder: ``"module:function"``, a module in ``bench/``, called with ``**config``
+      in the new process; it returns ``(jitted, args)``, the ``jax.jit``-ed step and
+      its arguments already on the device (made with NumPy and ``jax.device_put``, so
+      that setting up leaves no temporaries behind).
     config: JSON-serialisable keyword arguments for the builder.
     timeout: seconds before the worker is killed.
-    cpus: run the worker on this many CPUs only (on CPU, one runs the step's
-      kernels one at a time: no two kernels' scratch memory at once).
+    cpus: run the worker on this many of this process's CPUs only (XLA:CPU sizes its
+      thread pool by them; on one, the step's kernels run one at a time).
     xla_flags: added to the worker's ``XLA_FLAGS``.
 
   Returns:
-    A dict: ``step_peak_bytes`` (the step's growth; see the comment above this
-    function), ``method`` (how it was measured), ``masked`` (the figure is a
-    lower bound), ``argument_bytes``, ``output_bytes``, ``xla`` (the compiled
-    ``memory_analysis()`` fields), ``compile_seconds``, ``step_seconds``,
-    on CPU ``first_call_peak_bytes`` (the first call's growth, one-time costs
-    included),
-    ``platform`` and the raw readings.
+    ``step_peak_bytes`` (the step's growth), ``method`` (how it was measured),
+    ``masked`` (the figure is a lower bound), ``argument_bytes``, ``output_bytes``,
+    ``xla`` (``memory_analysis()``), ``compile_seconds``, on a CPU
+    ``first_call_peak_bytes`` (the first call's, one-time costs included), and the
+    raw readings. A worker that fails raises ``RuntimeError`` with its output's end.
   """
-  env = {
-      "MALLOC_MMAP_THRESHOLD_": str(_MMAP_THRESHOLD),
-      # A second process sharing a GPU with the first: allocate as needed.
-      "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
-  }
+  env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(_MMAP_THRESHOLD),
+         # A second process sharing a GPU with the first: allocate as needed.
+         "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
   if xla_flags:
     env["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {xla_flags}".strip()
   command = [sys.executable, __file__, "--peak-worker", builder, json.dumps(dict(config))]
-  return run_json_worker(command, env=env, timeout=timeout, cpus=cpus)
+  allowed = sorted(os.sched_getaffinity(0))[:cpus] if cpus else None
+  proc = subprocess.run(
+      command, env=env, capture_output=True, text=True, timeout=timeout,
+      preexec_fn=(lambda: os.sched_setaffinity(0, allowed)) if allowed else None)
+  for line in reversed(proc.stdout.splitlines()):
+    if line.startswith(_PEAK_MARKER):
+      return json.loads(line[len(_PEAK_MARKER):])
+  raise RuntimeError(f"worker {' '.join(command)} returned {proc.returncode} without a"
+                     f" result:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
 
 
 def memory_analysis_dict(compiled: jax.stages.Compiled) -> dict[str, int]:
@@ -394,7 +401,8 @@ def _peak_worker(builder: str, config_json: str) -> None:
     else:
       result.update(step_peak_bytes=peak - in_use, masked=peak <= (peak_before or 0))
   else:
-    # Twice: see the comment above fresh_process_peak.
+    # Twice: the first call also faults in one-time things that belong to no step
+    # (thread stacks, code pages, lazily built runtime state), kept as first_call_*.
     for key in ("first_call", "step"):
       _release_free_memory()
       reset = _reset_peak_rss()
@@ -420,7 +428,7 @@ def _peak_worker(builder: str, config_json: str) -> None:
       result.update(step_peak_bytes=result["first_call_peak_bytes"], masked=first_masked)
     result.update(method=method, masked=result.get("masked", masked))
   result["output_bytes"] = tree_nbytes(out)
-  print_worker_result(result)
+  print(_PEAK_MARKER + json.dumps(result, default=_to_json), flush=True)
 
 
 if __name__ == "__main__":

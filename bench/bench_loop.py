@@ -1,58 +1,25 @@
 """The training loop users run: many calls, data from NumPy, no blocking until the end.
 
-A compiled step timed alone, blocked on after each call, hides every wait of the
-host. Users run a loop: JAX dispatches asynchronously, a call returns before its
-step has run, and the host slices the next batch and decides the next call while
-the device computes. A loop is as fast as its slowest wait: the device's steps, or
-the host's Python, dispatch and transfers, whichever is longer per call. Each loop
-here is written as a user writes it, each call handed a fresh slice of a host
-NumPy array of tokens, as a data loader gives them, and nothing read back until
-the end.
+A compiled step timed alone, blocked on after each call, hides every wait of the host.
+JAX dispatches asynchronously: the host slices the next batch and decides the next
+call while the device computes, so a loop runs at the pace of its slowest side. Each
+loop here is written as a user writes it, each call handed a fresh slice of a host
+NumPy array of tokens, its loss kept in a list, nothing read back until the end.
 
-Across calls (``every_k`` = 8; each call the gradient of one microbatch):
+Across calls (``every_k`` = 8, one microbatch a call): the hand-written two-jit modulo
+loop (the floor); ``accumulate(adamw)`` with ``apply=HostSchedule.next()`` (by default,
+with ``on_nonfinite="unchecked"``, with ``pack_inner_state=True``, around
+``optax.flatten(adamw)``, and with the update in a jit of its own); the device schedule;
+``optax.MultiSteps``; the full batch of 8 microbatches; and a control, the floor with
+AdamW's state handed through its micro-step. Inside a step (a batch of 8 microbatches a
+call): the hand-written ``lax.scan`` + AdamW (floor), ``accum_jax.value_and_grad`` +
+AdamW, and the full batch. The loops take turns in rounds; per loop: samples per
+second and its ratio to its door's floor, the host's and the CPU's time per call, the
+calls in flight at the last dispatch, what a call that only accumulates hands over and
+launches, and each program's compile time (bench/README.md says more).
 
-- **modulo loop (floor)**: two jits, chosen by ``(call + 1) % 8 == 0`` in Python:
-  a micro-step (the gradient and a float32 add into an accumulator tree, the
-  parameters and the accumulator donated, the optimizer state not passed) and an
-  applying step (the gradient, the add, AdamW on the mean, ``apply_updates`` and a
-  zeroed accumulator);
-- ``accumulate(adamw)`` with ``apply=HostSchedule.next()`` (two programs), by
-  default, with ``on_nonfinite="unchecked"`` and with ``pack_inner_state=True``
-  (AdamW's state kept as one vector per dtype between windows, its arithmetic
-  unchanged: fewer buffers a call); ``accumulate(optax.flatten(adamw))`` the same
-  way (AdamW run on one raveled vector);
-- the same ``accumulate(adamw)`` with the update in a jit of its own (the
-  gradient compiled once, the update twice: three small programs);
-- ``accumulate(adamw)`` with ``apply`` left out (the device schedule: one
-  program, a kept conditional); ``optax.MultiSteps(adamw, 8)``;
-- the full batch of 8 microbatches in one plain AdamW step (where it fits);
-- a control: the modulo loop with AdamW's state handed to the micro-step and back
-  untouched (the floor's program, with the buffers an Optax transformation's
-  state brings to every call).
-
-Inside a step (each call the whole batch of 8 microbatches): a hand-written
-``lax.scan`` over the microbatches + AdamW (floor), ``accum_jax.value_and_grad(loss,
-num_microbatches=8)`` + AdamW, and the full batch (measured once, in both tables).
-
-Each step returns its loss, as a training step does, kept in a list. The loops
-take turns in rounds, ``--windows`` windows of 8 microbatches each per round, in
-rotating order, each run starting on an idle device; per run: the host's time
-(from the loop's start to its last dispatch), the total (until the last result is
-ready), the process's CPU time over the same span, and how many calls were still
-in flight at the last dispatch (their losses not ready). Reported: samples
-(sequences) per second, median of the rounds, its ratio to the floor's (the
-median of the rounds' ratios), the host's time and the CPU time per iteration, and
-whether dispatch ran ahead of the device (more than the call just dispatched in
-flight in most rounds). With it, what a call that only accumulates hands over
-and launches: the buffers in and out of its programs (each costs the host its
-dispatch) and their top-level fusions (``accum_jax.testing.kernel_counts``).
-Each program is compiled ahead (``lower().compile()``, in the form the loop calls
-it, so the loop finds it compiled), after a warm-up compile: the compile times of
-the host schedule's two programs against the device schedule's one.
-
-The model: on a GPU, bench_gpu.py's GPT-2 small (``gpu_model``), one sequence of
-1024 tokens a microbatch; elsewhere bench_micro_step.py's narrow GPT-2-shaped tree
-(148 bfloat16 leaves, width 64, 16 tokens), its gradient some milliseconds on a CPU.
+The model: on a GPU, GPT-2 small (``models.GPT2_SMALL``), one sequence of 1024 tokens
+a microbatch; elsewhere ``models.gpt2_tree`` (148 bfloat16 leaves, width 64, 16 tokens).
 
 Run from the repository root::
 
@@ -75,9 +42,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from _common import environment, git_commit, markdown_table, quartiles, write_json
-from gpu_failures import report_failure
-from gpu_methods import hand_written_scan
+from _common import (
+    environment,
+    git_commit,
+    hand_written_scan,
+    markdown_table,
+    quartiles,
+    report_failure,
+    write_json,
+)
 
 import accum_jax
 from accum_jax.testing import kernel_counts
@@ -540,8 +513,8 @@ def compile_note(results: dict[str, dict[str, Any]]) -> str:
 
 
 def cpu_problem(layers: int, micro: int, rows: int) -> tuple[Callable, Any, np.ndarray]:
-  """bench_micro_step.py's GPT-2-shaped tree and its loss, over a batch of sequences."""
-  from bench_micro_step import gpt2_tree, loss_fn
+  """``models.gpt2_tree`` and its loss, over a batch of sequences."""
+  from models import gpt2_tree, loss_fn
 
   context, vocab = 16, 128
 
@@ -554,8 +527,8 @@ def cpu_problem(layers: int, micro: int, rows: int) -> tuple[Callable, Any, np.n
 
 def gpu_problem(micro: int, rows: int, config: Any = None,
                 ) -> tuple[Callable, Any, np.ndarray, dict[str, Any]]:
-  """bench_gpu.py's GPT-2 small (or ``config``), and random tokens in a host array."""
-  from gpu_model import GPT2_SMALL, make_loss, make_model, resolve_attention
+  """GPT-2 small (or ``config``), and random tokens in a host array."""
+  from models import GPT2_SMALL, make_loss, make_model, resolve_attention
 
   config = config or GPT2_SMALL
   attention = resolve_attention("auto", config)
@@ -608,7 +581,7 @@ def main(argv: list[str] | None = None) -> int:
   else:
     layers = 1 if args.quick else 12
     loss, params, data = cpu_problem(layers, args.micro, rows)
-    model = {"tree": "bench_micro_step.gpt2_tree", "layers": layers, "width": 64,
+    model = {"tree": "models.gpt2_tree", "layers": layers, "width": 64,
              "vocab": 128, "context": 16}
   leaves = len(jax.tree.leaves(params))
   print(f"the training loop, every_k={EVERY_K}, {args.micro} sequence(s) a microbatch,"

@@ -1,32 +1,22 @@
-"""Microbatching inside one step: peak memory, step time, compiles, collectives.
+"""Microbatching inside one step: peak memory, step time, compile time.
 
 On an MLP whose full-batch step is dominated by its activations, four ways of
 taking the gradient of one batch, side by side, for several numbers of
 microbatches N:
 
 - ``full batch``: ``jax.value_and_grad`` of the whole batch (one row, no N);
-- ``lax.scan``: the hand-written loop a user would write: the batch reshaped to
-  ``(N, B/N, ...)``, ``jax.value_and_grad`` inside a ``lax.scan`` body, the
-  results summed and divided by N;
+- ``lax.scan``: the hand-written loop (``_common.hand_written_scan``);
 - ``optax.microbatching``: ``optax.microbatching.microbatch(jax.value_and_grad(
   loss), argnums=1, microbatch_size=B/N, accumulator=MEAN)`` (a ``fori_loop``);
-- ``accum_jax``: ``accum_jax.value_and_grad(loss, num_microbatches=N)``.
+- ``accum_jax``: ``accum_jax.value_and_grad(loss, num_microbatches=N)``, and at N = 8
+  also with ``on_nonfinite="unchecked"``.
 
-Measured:
-
-- peak step memory, each (method, N) in a fresh process (``_common.
-  fresh_process_peak``): on CPU the growth of the resident set during one step,
-  on GPU the allocator's ``peak_bytes_in_use`` over ``bytes_in_use`` before
-  it; with XLA's compiled ``memory_analysis()`` temp bytes beside it; on a
-  CPU of several cores, ``lax.scan`` and ``accum_jax`` at N = 8 once more
-  under each of ``CPU_CONDITIONS`` (the worker on one core; XLA:CPU's
-  memory-first schedule);
-- step time: the median of calls blocked on, all (method, N) taking turns in
-  this process on one device;
-- compile time (``lower`` + ``compile``) against N;
-- collectives per step with the batch sharded over 8 (fake CPU) devices, in
-  a subprocess started with ``--xla_force_host_platform_device_count=8``:
-  inside the loop (run N times) and outside it.
+Measured: the peak memory of one step, each (method, N) in a fresh process
+(``_common.fresh_process_peak``: on a CPU the resident set's growth, on a GPU the
+allocator's peak), with XLA's ``memory_analysis()`` beside it, and on a CPU of several
+cores the scan and the door at N = 8 once more under each of ``CPU_CONDITIONS``; the
+step time, all (method, N) taking turns in this process; the compile time against N;
+and the issue's targets at N = 8.
 
 Run from the repository root::
 
@@ -39,7 +29,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import os
-import shutil
 import statistics
 import sys
 import time
@@ -52,34 +41,27 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from _common import (
-    RESULTS_DIR,
-    cost_analysis,
     environment,
     fresh_process_peak,
+    hand_written_scan,
     markdown_table,
     memory_analysis_dict,
-    print_worker_result,
+    plot_against_n,
     quartiles,
-    run_json_worker,
     time_interleaved,
-    tree_nbytes,
     write_json,
 )
 
 import accum_jax
-from accum_jax.testing import collective_counts, opcode_counts
 
 FULL = "full batch"
 SCAN = "lax.scan"
 OPTAX = "optax.microbatching"
 ACCUM = "accum_jax"
 MICROBATCHED = (SCAN, OPTAX, ACCUM)
-STRIDED_SCAN = "lax.scan, strided split"  # only in the collectives table
 # Only at TARGET_N: accum_jax without its finiteness check, which the
 # hand-written scan does not make either.
 ACCUM_NO_CHECK = "accum_jax on_nonfinite='unchecked'"
-
-_COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 
 # The issue's targets, at TARGET_N microbatches.
 TARGET_N = 8
@@ -121,18 +103,6 @@ def make_inputs(batch_size: int, width: int, num_layers: int, seed: int = 0):
   return jax.device_put(params), jax.device_put(batch)
 
 
-def input_shapes(batch_size: int, width: int, num_layers: int, sharding=(None, None)):
-  """``jax.ShapeDtypeStruct``s of ``make_inputs``' parameters and batch, to compile with.
-
-  ``sharding``: the parameters' and the batch's shardings (None: unspecified).
-  """
-  return tuple(
-      jax.tree.map(lambda shape, s=s: jax.ShapeDtypeStruct(shape, jnp.float32, sharding=s),
-                   tree, is_leaf=_is_shape)
-      for tree, s in zip(_shapes(batch_size, width, num_layers), sharding)
-  )
-
-
 def loss_fn(params: list[dict[str, jax.Array]], batch: dict[str, jax.Array]) -> jax.Array:
   h = batch["x"]
   for layer in params[:-1]:
@@ -141,70 +111,22 @@ def loss_fn(params: list[dict[str, jax.Array]], batch: dict[str, jax.Array]) -> 
   return jnp.mean((prediction - batch["y"]) ** 2)
 
 
-# The four ways. Each returns value_and_grad(params, batch) -> (loss, grads).
-
-
-def full_batch(loss: Callable, num_microbatches: int, batch_size: int) -> Callable:
-  del num_microbatches, batch_size
-  return jax.value_and_grad(loss)
-
-
-def hand_written_scan(
-    loss: Callable, num_microbatches: int, batch_size: int, *, strided: bool = False
-) -> Callable:
-  """The obvious user code: scan over reshaped microbatches, sum, divide.
-
-  ``strided=True`` takes rows ``i, i + N, i + 2N, ...`` as microbatch ``i``
-  (as ``optax.microbatching`` does) instead of consecutive rows: with a sharded
-  batch, every microbatch is then spread over all the devices.
-  """
-  del batch_size
-
-  def split(x):
-    if strided:
-      return x.reshape(-1, num_microbatches, *x.shape[1:]).swapaxes(0, 1)
-    return x.reshape(num_microbatches, -1, *x.shape[1:])
-
-  def value_and_grad(params, batch):
-    microbatches = jax.tree.map(split, batch)
-
-    def body(total, microbatch):
-      out = jax.value_and_grad(loss)(params, microbatch)
-      return jax.tree.map(jnp.add, total, out), None
-
-    zeros = jax.tree.map(jnp.zeros_like, (jnp.zeros(()), params))
-    total, _ = jax.lax.scan(body, zeros, microbatches)
-    return jax.tree.map(lambda x: x / num_microbatches, total)
-
-  return value_and_grad
+# The ways. Each takes (loss, N, batch size) and returns value_and_grad(params, batch).
 
 
 def optax_microbatching(loss: Callable, num_microbatches: int, batch_size: int) -> Callable:
   return optax.microbatching.microbatch(
-      jax.value_and_grad(loss),
-      argnums=1,
-      microbatch_size=batch_size // num_microbatches,
-      accumulator=optax.microbatching.AccumulationType.MEAN,
-  )
+      jax.value_and_grad(loss), argnums=1, microbatch_size=batch_size // num_microbatches,
+      accumulator=optax.microbatching.AccumulationType.MEAN)
 
 
-def accum_jax_value_and_grad(
-    loss: Callable, num_microbatches: int, batch_size: int, **options: Any
-) -> Callable:
-  del batch_size
-  return accum_jax.value_and_grad(loss, num_microbatches, **options)
-
-
-def accum_jax_without_check(loss: Callable, num_microbatches: int, batch_size: int) -> Callable:
-  return accum_jax_value_and_grad(loss, num_microbatches, batch_size, on_nonfinite="unchecked")
-
-
-METHODS: dict[str, Callable[..., Callable]] = {
-    FULL: full_batch,
-    SCAN: hand_written_scan,
+METHODS: dict[str, Callable[[Callable, int, int], Callable]] = {
+    FULL: lambda loss, n, batch_size: jax.value_and_grad(loss),
+    SCAN: lambda loss, n, batch_size: hand_written_scan(loss, n),
     OPTAX: optax_microbatching,
-    ACCUM: accum_jax_value_and_grad,
-    ACCUM_NO_CHECK: accum_jax_without_check,
+    ACCUM: lambda loss, n, batch_size: accum_jax.value_and_grad(loss, n),
+    ACCUM_NO_CHECK: lambda loss, n, batch_size: accum_jax.value_and_grad(
+        loss, n, on_nonfinite="unchecked"),
 }
 
 
@@ -247,17 +169,13 @@ def measure_memory(
     return dict(zip(configs, pool.map(one, configs)))
 
 
-# On a CPU of several cores, XLA:CPU's default schedule favours running a step's
-# independent kernels at once, and each large dot takes scratch memory of its
-# own, outside the compiled buffers (on the 2-core development CPU, 5.9 MiB per
-# 1024 x 1024 weight gradient). Whether two of them overlap follows from where
-# that schedule's buffer assignment puts their outputs: two dots writing one
-# buffer run one after the other. So the two methods are measured once more,
-# one worker at a time, under two conditions that take the runtime's
-# concurrency out of the comparison:
-# - "one core": the worker pinned to one CPU runs the kernels one at a time;
-# - "memory-first schedule": XLA:CPU schedules for memory instead of
-#   concurrency (all cores), and both programs compile to the same buffers.
+# On a CPU of several cores, XLA:CPU's default schedule runs independent kernels at
+# once, and each large dot takes scratch memory of its own outside the compiled
+# buffers (5.9 MiB per 1024 x 1024 weight gradient on the 2-core development CPU):
+# whether two overlap follows from where the buffer assignment puts their outputs. So
+# the scan and the door are measured once more under two conditions that take the
+# runtime's concurrency out: the worker on one core (kernels one at a time), and
+# XLA:CPU's memory-first schedule (both compile to the same buffers).
 CPU_CONDITIONS: dict[str, dict[str, Any]] = {
     "one core": {"cpus": 1},
     "memory-first schedule": {
@@ -272,63 +190,6 @@ def measure_conditions(model: dict[str, int]) -> dict[tuple[str, int], dict[str,
   by_condition = {name: measure_memory(configs, model, jobs=1, **how)
                   for name, how in CPU_CONDITIONS.items()}
   return {c: {name: results[c] for name, results in by_condition.items()} for c in configs}
-
-
-# Collectives: a subprocess with 8 fake CPU devices.
-
-
-def collectives_worker(num_microbatches: int, batch_size: int, width: int, num_layers: int):
-  """Compiles (never runs) each method with the batch sharded over 8 devices."""
-  from jax.sharding import NamedSharding
-  from jax.sharding import PartitionSpec as P
-
-  num_devices = len(jax.devices())
-  mesh = jax.make_mesh((num_devices,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
-  params, batch = input_shapes(
-      batch_size, width, num_layers, (NamedSharding(mesh, P()), NamedSharding(mesh, P("data")))
-  )
-  result = {"num_devices": num_devices, "num_microbatches": num_microbatches, "methods": {}}
-  variants = [(m, make, {}) for m, make in METHODS.items() if m != ACCUM_NO_CHECK]
-  variants.insert(2, (STRIDED_SCAN, hand_written_scan, {"strided": True}))
-  for method, make, options in variants:
-    if method == ACCUM:
-      options = {"data_parallel": accum_jax.DataParallel(
-          mesh=mesh, data_axis="data", param_sharding=P())}
-    fn = make(loss_fn, num_microbatches, batch_size, **options)
-    compiled = jax.jit(fn).lower(params, batch).compile()
-    hlo = compiled.as_text()
-    counts = collective_counts(hlo)
-    loops = 0 if method == FULL else num_microbatches
-    ops = opcode_counts(hlo, "all")
-    kinds = {op: ops[op] + ops[f"{op}-start"] for op in _COLLECTIVES}
-    result["methods"][method] = {
-        "in_loop": counts.in_loop,
-        "outside_loop": counts.outside_loop,
-        "per_step": counts.in_loop * loops + counts.outside_loop,
-        "kinds": {op: k for op, k in kinds.items() if k},
-        # XLA's count for one device's program: 1/num_devices of the full
-        # batch's work when the step is data-parallel.
-        "flops_per_device": cost_analysis(compiled).get("flops", float("nan")),
-        "how": ("DataParallel(mesh, data_axis, P())" if method == ACCUM
-                else "jit, batch sharded P('data')"),
-    }
-  # XLA counts a while loop's body once: a data-parallel loop body does 1/N of
-  # the full batch's work per device, a body that replicates work more.
-  full_flops = result["methods"][FULL]["flops_per_device"]
-  for method, c in result["methods"].items():
-    ideal = full_flops / (1 if method == FULL else num_microbatches)
-    c["work_vs_data_parallel"] = c["flops_per_device"] / ideal
-  print_worker_result(result)
-
-
-def measure_collectives(model: dict[str, int], num_microbatches: int) -> dict[str, Any]:
-  flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-  command = [
-      sys.executable, __file__, "--collectives-worker",
-      "--batch-size", str(model["batch_size"]), "--width", str(model["width"]),
-      "--num-layers", str(model["num_layers"]), "--ns", str(num_microbatches),
-  ]
-  return run_json_worker(command, env={"XLA_FLAGS": flags.strip(), "JAX_PLATFORMS": "cpu"})
 
 
 # Time and compile, in this process.
@@ -402,7 +263,7 @@ def _targets(rows: dict[tuple[str, int], dict[str, Any]], n: int) -> list[dict[s
 
 
 def report(config: dict[str, Any], rows: dict[tuple[str, int], dict[str, Any]],
-           collectives: dict[str, Any], targets: list[dict[str, Any]]) -> None:
+           targets: list[dict[str, Any]]) -> None:
   on_gpu = config["platform"] == "gpu"
   full, scan_by_n = rows[FULL, 1], {n: rows[SCAN, n] for n in config["ns"]}
   headers = ["method", "N", "peak step MiB", "vs full", "vs lax.scan", "XLA temp MiB",
@@ -451,20 +312,6 @@ def report(config: dict[str, Any], rows: dict[tuple[str, int], dict[str, Any]],
         f"{rows[ACCUM, n]['compile_s_median'] / base:.2f}"] for n in accum_ns],
   ))
 
-  print()
-  print(f"collectives with the batch sharded over {collectives['num_devices']} CPU devices,"
-        f" N={collectives['num_microbatches']} (static count in the compiled HLO; per step ="
-        " in loop x N + outside; XLA counts a loop body's FLOPs once, so 'vs data-parallel'"
-        " compares the body with 1/N of the full batch's per-device work):")
-  print(markdown_table(
-      ["method", "how", "in loop", "outside loop", "per step", "kinds (in the HLO)",
-       "GFLOP/device (loop body once)", "vs data-parallel"],
-      [[m, c["how"], c["in_loop"], c["outside_loop"], c["per_step"],
-        ", ".join(f"{op} {k}" for op, k in c["kinds"].items()) or "none",
-        f"{c['flops_per_device'] / 1e9:.4g}", f"{c['work_vs_data_parallel']:.2f}"]
-       for m, c in collectives["methods"].items()],
-  ))
-
   if targets:
     print()
     print(markdown_table(
@@ -474,51 +321,36 @@ def report(config: dict[str, Any], rows: dict[tuple[str, int], dict[str, Any]],
     ))
 
 
-def plot(config: dict[str, Any], rows: dict[tuple[str, int], dict[str, Any]],
-         path: Path) -> None:
-  import matplotlib
-
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
-  ns = config["ns"]
-  fig, (mem_ax, time_ax) = plt.subplots(1, 2, figsize=(10, 4), dpi=100)
-  full = rows[FULL, 1]
+def plot(config: dict[str, Any], rows: dict[tuple[str, int], dict[str, Any]], name: str,
+         copy_to: Path | None) -> list[Path]:
+  """Peak memory and step time against N, the full batch a line across."""
+  ns, full = config["ns"], rows[FULL, 1]
   styles = {SCAN: ("tab:blue", "o", "-"), OPTAX: ("tab:orange", "s", "-"),
             ACCUM: ("tab:green", "^", "--")}
-  for ax, key, scale, ylabel in (
-      (mem_ax, "peak_bytes", 1 / _MIB, "peak step memory (MiB)"),
-      (time_ax, "step_ms", 1.0, "step time (ms, median)"),
-  ):
-    ax.axhline(full[key] * scale, color="gray", linestyle=":", label=f"{FULL} (no N)")
-    for method, (color, marker, line) in styles.items():
-      values = [rows[method, n][key] * scale for n in ns]
-      ax.plot(ns, values, color=color, marker=marker, linestyle=line, label=method)
-      if key == "step_ms":  # the spread of the timed calls: first to third quartile
-        low, high = zip(*(rows[method, n]["step_ms_p25_p75"] for n in ns))
-        ax.fill_between(ns, low, high, color=color, alpha=0.15, linewidth=0)
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(ns, [str(n) for n in ns])
-    ax.set_xlabel("number of microbatches N")
-    ax.set_ylabel(ylabel)
-    ax.set_ylim(bottom=0)
-    ax.grid(True, alpha=0.3)
+
+  def panel(key, scale, ylabel, title):
+    def extra(ax):
+      ax.axhline(full[key] * scale, color="gray", linestyle=":", label=f"{FULL} (no N)")
+      ax.set_ylim(bottom=0)
+      for method, (color, _, _) in styles.items():
+        if key == "step_ms":  # the spread of the timed calls: first to third quartile
+          low, high = zip(*(rows[method, n]["step_ms_p25_p75"] for n in ns))
+          ax.fill_between(ns, low, high, color=color, alpha=0.15, linewidth=0)
+
+    lines = {m: ([rows[m, n][key] * scale for n in ns], style) for m, style in styles.items()}
+    return ylabel, title, lines, extra
+
   how = "device peak_bytes_in_use" if config["platform"] == "gpu" else "resident-set growth"
-  mem_ax.set_title(f"peak memory of one step ({how}, fresh process)", fontsize=10)
-  time_ax.set_title("time of one step (median and quartiles, interleaved)", fontsize=10)
-  mem_ax.legend(fontsize=8)
   env = config["environment"]
-  fig.suptitle(
-      f"{config['num_layers']} x {config['width']}-wide ReLU MLP, batch {config['batch_size']},"
-      f" {env['backend']} ({env['cpu_count']} CPUs)" if env["backend"] == "cpu" else
-      f"{config['num_layers']} x {config['width']}-wide ReLU MLP, batch {config['batch_size']},"
-      f" {env['devices'][0]}",
-      fontsize=10,
-  )
-  fig.tight_layout()
-  path.parent.mkdir(parents=True, exist_ok=True)
-  fig.savefig(path, dpi=100)
-  plt.close(fig)
+  where = (f"{env['backend']} ({env['cpu_count']} CPUs)" if env["backend"] == "cpu"
+           else env["devices"][0])
+  return plot_against_n(ns, [
+      panel("peak_bytes", 1 / _MIB, "peak step memory (MiB)",
+            f"peak memory of one step ({how}, fresh process)"),
+      panel("step_ms", 1.0, "step time (ms, median)",
+            "time of one step (median and quartiles, interleaved)"),
+  ], f"{config['num_layers']} x {config['width']}-wide ReLU MLP, batch"
+     f" {config['batch_size']}, {where}", name, copy_to=copy_to)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -540,32 +372,23 @@ def main(argv: list[str] | None = None) -> int:
                       help="smoke run: batch 512, width 64, 2 layers, N in 1 and 8")
   parser.add_argument("--name", default=None, help="results bench/results/<name>.json/.png"
                       " (default: microbatch, or microbatch_quick with --quick)")
-  parser.add_argument("--collectives-worker", action="store_true", help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
   if args.quick:
     args.batch_size, args.width, args.num_layers = 512, 64, 2
     args.ns, args.rounds, args.compile_repeats = [1, TARGET_N], 3, 1
   model = {"batch_size": args.batch_size, "width": args.width, "num_layers": args.num_layers}
-  if args.collectives_worker:
-    collectives_worker(args.ns[0], **model)
-    return 0
-  if bad := [n for n in args.ns if args.batch_size % (8 * n)]:
-    parser.error(f"--batch-size={args.batch_size} must divide into 8 devices x N for N in {bad}.")
+  if bad := [n for n in args.ns if args.batch_size % n]:
+    parser.error(f"--batch-size={args.batch_size} must divide into N microbatches for N in {bad}.")
   name = args.name or ("microbatch_quick" if args.quick else "microbatch")
 
   start = time.perf_counter()
   configs = configurations(args.ns)
-  collective_n = TARGET_N if TARGET_N in args.ns else args.ns[-1]
-  # The workers first, while this process has not yet touched the device. The
-  # collectives worker only compiles, so it runs beside the memory workers.
-  with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-    collectives_future = pool.submit(measure_collectives, model, collective_n)
-    memory = measure_memory(configs, model, args.jobs)
-    under = {}
-    if memory[FULL, 1]["platform"] == "cpu" and TARGET_N in args.ns and len(
-        os.sched_getaffinity(0)) > 1:
-      under = measure_conditions(model)
-    collectives = collectives_future.result()
+  # The workers first, while this process has not yet touched the device.
+  memory = measure_memory(configs, model, args.jobs)
+  under = {}
+  if memory[FULL, 1]["platform"] == "cpu" and TARGET_N in args.ns and len(
+      os.sched_getaffinity(0)) > 1:
+    under = measure_conditions(model)
   memory_seconds = time.perf_counter() - start
   timing = measure_time(configs, model, rounds=args.rounds, warmup=args.warmup,
                         compile_repeats=args.compile_repeats)
@@ -579,14 +402,13 @@ def main(argv: list[str] | None = None) -> int:
           peak_bytes_under={name: r["step_peak_bytes"] for name, r in under[c].items()},
           memory_under=under[c])
   targets = _targets(rows, TARGET_N)
-  params, _ = input_shapes(**model)
   config = {
       **model,
       "ns": args.ns,
       "rounds": args.rounds,
       "warmup": args.warmup,
       "compile_repeats": args.compile_repeats,
-      "param_bytes": tree_nbytes(params),
+      "param_bytes": 4 * (args.num_layers * (args.width + 1) * args.width + args.width + 1),
       "batch_bytes": args.batch_size * (args.width + 1) * 4,
       "platform": jax.devices()[0].platform,
       "quick": args.quick,
@@ -596,21 +418,15 @@ def main(argv: list[str] | None = None) -> int:
   }
   config["total_seconds"] = time.perf_counter() - start
   config["load_average_end"] = environment()["load_average"]
-  report(config, rows, collectives, targets)
+  report(config, rows, targets)
 
   path = write_json(name, {
       "config": config,
       "results": [{"label": label(*c), **r} for c, r in rows.items()],
-      "collectives": collectives,
       "targets": targets,
   })
-  png = RESULTS_DIR / f"{name}.png"
-  plot(config, rows, png)
-  written = [path, png]
-  if not args.quick and args.name is None:
-    DOCS_PLOT.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(png, DOCS_PLOT)
-    written.append(DOCS_PLOT)
+  written = [path, *plot(config, rows, name,
+                         DOCS_PLOT if not args.quick and args.name is None else None)]
   print(f"\nwrote {', '.join(str(p) for p in written)} in {config['total_seconds']:.0f} s")
   return 0
 

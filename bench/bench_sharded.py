@@ -1,57 +1,27 @@
 """Sharded parameters: per-device memory, collectives and step time against N.
 
-The model: a tanh MLP (``--activation relu`` for ReLU) of ``--num-layers`` weights
-of ``--width`` x ``--width`` float32 (4 x 1024 x 1024 by default), MSE, a batch of
-``--batch-size`` rows sharded over the data axes, on 8 CPU devices
-(``--xla_force_host_platform_device_count=8`` is set before jax is imported). For
-each N, side by side in one run:
+On 8 CPU devices (``--xla_force_host_platform_device_count=8``, set before jax is
+imported), a tanh MLP (``--activation relu`` for ReLU) of 4 float32 weights of 1024 x
+1024, MSE, a batch of 256 rows sharded over the data axes. For each N, side by side:
+the hand-written scan (under ``jax.jit``, microbatch ``i`` rows ``i, i + N, ...``, the
+gradient carry constrained to the parameters' shardings: the reference of every ratio),
+the same with the model's activations constrained, a hand-written ``shard_map``
+(``all_gather`` of the shards, ``psum_scatter`` of each microbatch's gradient), and
+``accum_jax.value_and_grad`` with ``DataParallel(mesh, param_sharding=...)``, with
+``gather="once"``, without ``param_sharding``, without a mesh (``split="strided"``) and
+with replicated parameters. Layouts: FSDP on a mesh of 8 for every N; at ``--layout-n``
+also HSDP (replica 2, fsdp 4) and FSDP x tensor (data 4, model 2).
 
-- ``hand-written scan``: what MaxText and Levanter write by hand: under plain
-  ``jax.jit``, the batch reshaped so that microbatch ``i`` holds rows ``i, i + N,
-  ...`` (a slice of every device's rows), a ``lax.scan`` whose gradient carry is
-  zeros constrained (``with_sharding_constraint``) to the parameters' shardings,
-  each microbatch's gradient added to it and the sum constrained again; XLA's
-  partitioner decides the rest. This is the reference of every ratio;
-- ``hand-written scan, activations constrained``: the same with a loss that
-  constrains the activations' rows to the data axes, as a sharding-aware model
-  does. On the CPU XLA then all-reduces each microbatch's whole gradient and
-  slices it (as it does for the unconstrained scan of a ReLU MLP);
-- ``hand-written shard_map``: the same written with explicit collectives: in
-  ``jax.shard_map`` over the data axes, the shards all-gathered, each
-  microbatch's gradient reduce-scattered (``psum_scatter``) into a shard;
-- ``accum_jax``: ``value_and_grad(..., data_parallel=DataParallel(mesh=mesh,
-  data_axis=..., param_sharding=specs))``, ``gather="per_microbatch"`` (the default);
-- ``accum_jax gather='once'``: the same with ``gather="once"``;
-- ``accum_jax, no param_sharding``: a ``DataParallel(mesh=...)`` and the sharded parameters under
-  ``jax.jit`` without ``param_sharding``: automatic axes hide the shardings from
-  the traced function, so the parameters count as replicated (the data-parallel
-  path: a full-size accumulator, one all-reduce);
-- ``accum_jax, no mesh, strided``: ``DataParallel(split="strided")``
-  without a mesh, the sharded parameters and batch under ``jax.jit``;
-- ``accum_jax, replicated parameters``: pure data parallelism.
-
-Layouts: FSDP, ``P("data", None)`` on a mesh of 8, for every N; at one N
-(``--layout-n``, 8) also HSDP, ``P("fsdp", None)`` on a ``(replica 2, fsdp 4)``
-mesh with the batch over both axes, and FSDP x tensor on ``(data 4, model 2)``,
-the weights alternately ``P("data", "model")`` and ``P("model", "data")``.
-
-Measured per device: ``compiled.memory_analysis()`` (temp + output, arguments);
-the while loop's carry (the arrays the loop updates: the accumulator; the ones
-it only passes on: gathered parameters and the batch); the collectives
-(``accum_jax.testing.collectives``) per microbatch (in the loop and not in a
-rarely taken branch) and outside the loop, with their mesh axes and the bytes a
-ring sends; ``MiB sent per step`` = N x per microbatch + outside; the step time
-(every case taking turns, ``--rounds`` rounds, median and quartiles); the
-gradient's largest relative deviation from the one-device full batch. Where XLA
-drops a loop of one iteration (the hand-written scan at N=1), everything counts
-as outside.
+Per device: ``compiled.memory_analysis()``, the while loop's carry (what it updates: the
+accumulator), the collectives (``accum_jax.testing.collectives``) per microbatch and
+outside the loop with the bytes a ring sends, the step time (interleaved rounds), and
+the gradient's deviation from the one-device full batch. ``loop_carry`` and
+``explicit_groups`` are also read by tests/test_cost_model.py.
 
 Run from the repository root::
 
   python bench/bench_sharded.py            # full run, about 10 minutes on 2 busy CPU cores
   python bench/bench_sharded.py --quick    # smoke run: a small model, N in 1 and 4 (~35 s)
-  python bench/bench_sharded.py --explicit # only JAX's unreduced-carry recipe against
-                                           # accum_jax, explicit mesh axes (~3.5 minutes)
 """
 
 from __future__ import annotations
@@ -68,7 +38,6 @@ import argparse
 import collections
 import dataclasses
 import re
-import shutil
 import statistics
 import sys
 import time
@@ -80,13 +49,11 @@ import jax
 import jax.flatten_util
 import jax.numpy as jnp
 import numpy as np
-import sharded_model
 from _common import (
-    RESULTS_DIR,
-    cost_analysis,
     environment,
     markdown_table,
     memory_analysis_dict,
+    plot_against_n,
     quartiles,
     time_interleaved,
     write_json,
@@ -274,91 +241,6 @@ def hand_written_shard_map(problem: Problem, n: int) -> Callable[..., Any]:
   ))
 
 
-# Explicit mesh axes (--explicit): JAX's own recipe for microbatched accumulation
-# ("Autodiff and sharding", docs.jax.dev/en/latest/301/sharding-ad.html, section
-# "Example: microbatch gradient accumulation") against accum_jax on the same mesh.
-X_RECIPE = "JAX recipe: reduced parameters, unreduced carry"
-X_REPLICATED = "JAX recipe's contrast: replicated parameters"
-X_RECIPE_FSDP = "JAX recipe carried to FSDP: gathered to reduced once"
-X_ACCUM = "accum_jax"
-X_ONCE = "accum_jax gather='once'"
-X_DP, X_FSDP = "explicit, data parallel", "explicit, fsdp"
-EXPLICIT_METHODS = {X_DP: (X_RECIPE, X_REPLICATED, X_ACCUM),
-                    X_FSDP: (X_RECIPE_FSDP, X_ACCUM, X_ONCE)}
-
-
-def explicit_problem(width: int, num_layers: int, batch_size: int) -> Problem:
-  """The FSDP problem on a mesh of 8 with an explicit data axis: ``sharded`` has the
-  weights ``P("data", None)``, ``replicated`` has them ``P()``."""
-  base = make_problem("fsdp", width, num_layers, batch_size)
-  mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
-  params, batch = jax.device_get(base.replicated)
-  placed_batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
-  sharded = jax.device_put(params, {k: NamedSharding(mesh, s) for k, s in base.specs.items()})
-  replicated = jax.device_put(params, NamedSharding(mesh, P()))
-  return base._replace(layout="explicit", mesh=mesh, act=None, sharded=(sharded, placed_batch),
-                       replicated=(replicated, placed_batch))
-
-
-def _strided(x: jax.Array, n: int) -> jax.Array:
-  """``[rows@data, ...]`` to ``[n, rows / n @data, ...]``, microbatch ``i`` holding rows
-  ``i, i + n, ...`` (a slice of every device's rows): a reshape on each device."""
-  return x.reshape(x.shape[0] // n, n, *x.shape[1:]).swapaxes(0, 1)
-
-
-def jax_unreduced_recipe(problem: Problem, n: int, fsdp: bool = False) -> Callable[..., Any]:
-  """JAX's recipe: the parameters cast to ``reduced`` over the data axis (free: the
-  cast's transpose is the all-reduce), so each microbatch's gradient is ``unreduced``
-  (per-device partial sums), the scan's carry stays unreduced, and one reshard after
-  the loop is the step's only gradient all-reduce.
-
-  The docs place the parameters ``reduced`` with ``device_put``; here the step casts
-  replicated ones (the docs' ``loss2``), so it takes the same arguments as accum_jax.
-  ``fsdp``: the docs give no FSDP form; the natural one casts the sharded
-  parameters to reduced once before the loop (a full copy on each device, as
-  ``gather="once"``) and reshards the unreduced sum back to their sharding."""
-  data = set(problem.data_axes)
-
-  def step(params, batch):
-    specs = jax.tree.map(lambda w: jax.typeof(w).sharding.spec, params)
-    params = jax.tree.map(lambda w: jax.reshard(w, P(reduced=data)), params)
-
-    def microbatch_step(carry, microbatch):
-      total, grad_acc = carry
-      value, grads = jax.value_and_grad(loss_fn)(params, microbatch)
-      assert all(jax.typeof(g).sharding.spec.unreduced == data for g in jax.tree.leaves(grads))
-      return (total + value, jax.tree.map(jnp.add, grad_acc, grads)), None
-
-    grad_acc = jax.tree.map(
-        lambda w: jax.reshard(jnp.zeros_like(w), P(unreduced=data)), params)
-    (total, grad_acc), _ = jax.lax.scan(
-        microbatch_step, (jnp.float32(0), grad_acc),
-        jax.tree.map(lambda x: _strided(x, n), batch))
-    grads = jax.tree.map(lambda g, s: jax.reshard(g, s), grad_acc,
-                         specs if fsdp else jax.tree.map(lambda _: P(), specs))
-    return total / n, jax.tree.map(lambda g: g / n, grads)
-
-  return jax.jit(step)
-
-
-def jax_replicated_recipe(problem: Problem, n: int) -> Callable[..., Any]:
-  """The docs' contrast: the same scan with replicated parameters, whose gradient is
-  replicated, so each microbatch's backward pass all-reduces its own."""
-  def step(params, batch):
-    def microbatch_step(carry, microbatch):
-      total, grad_acc = carry
-      value, grads = jax.value_and_grad(loss_fn)(params, microbatch)
-      return (total + value, jax.tree.map(jnp.add, grad_acc, grads)), None
-
-    grad_acc = jax.tree.map(jnp.zeros_like, params)
-    (total, grad_acc), _ = jax.lax.scan(
-        microbatch_step, (jnp.float32(0), grad_acc),
-        jax.tree.map(lambda x: _strided(x, n), batch))
-    return total / n, jax.tree.map(lambda g: g / n, grad_acc)
-
-  return jax.jit(step)
-
-
 def build(method: str, problem: Problem, n: int) -> tuple[Callable[..., Any], tuple[Any, Any]]:
   """The jitted step of ``method`` at ``n`` microbatches, and its arguments."""
   axes = problem.data_axes
@@ -531,12 +413,9 @@ def relative_deviation(out: Any, reference: Any) -> float:
   return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
 
 
-def measure(method: str, problem: Problem, n: int,
-            built: tuple[Callable[..., Any], tuple[Any, Any]] | None = None,
-            ) -> tuple[dict[str, Any], Callable[[], Any]]:
-  """Compiles one case (``built``: its jitted step and arguments, else ``build``'s);
-  its static figures and a call for the timing."""
-  jitted, args = built or build(method, problem, n)
+def measure(method: str, problem: Problem, n: int) -> tuple[dict[str, Any], Callable[[], Any]]:
+  """Compiles one case: its static figures, and a call for the timing."""
+  jitted, args = build(method, problem, n)
   start = time.perf_counter()
   compiled = jitted.lower(*args).compile()
   compile_seconds = time.perf_counter() - start
@@ -550,51 +429,10 @@ def measure(method: str, problem: Problem, n: int,
       "argument_bytes": memory["argument_bytes"],
       "carry": carry._asdict() if carry else None,
       "collectives": summarise_collectives(collectives(explicit_groups(text), problem.mesh), n),
-      "flops": cost_analysis(compiled).get("flops"),
       "compile_seconds": compile_seconds,
       "deviation": relative_deviation(compiled(*args), problem.reference),
   }
   return record, lambda: compiled(*args)
-
-
-def model_cost(layout: str, method: str, n: int, width: int, num_layers: int) -> Any:
-  """The cost model's figures for a case it describes, else None."""
-  mode = {FSDP: "fsdp", ONCE: "gather once", DP: "data parallel"}.get(method)
-  if mode is None or (layout != "fsdp" and method == DP):
-    return None
-  if layout == "hsdp" and mode == "fsdp":
-    mode = "hsdp"
-  if layout == "fsdp x tensor" and mode == "fsdp":
-    mode = "fsdp x tensor"
-  if layout != "fsdp" and mode == "gather once":
-    return None
-  shape, _, data_axes = LAYOUTS[layout]
-  mesh = dict(zip(LAYOUTS[layout][1], shape))
-  return sharded_model.cost(mode, sharded_model.Layout(
-      params=num_layers * width * width, data=int(np.prod([mesh[a] for a in data_axes])),
-      replicas=mesh.get("replica", 1), tensor=mesh.get("model", 1), microbatches=n))
-
-
-def goals(records: dict[tuple[str, str, int], dict[str, Any]], ns: list[int],
-          param_bytes: int) -> list[dict[str, Any]]:
-  """The issue's figures for FSDP: memory and collectives against the hand-written scan."""
-  out = []
-  for n in ns:
-    hand, ours = records["fsdp", HAND, n], records["fsdp", FSDP, n]
-    ratio = ours["temp_output_bytes"] / hand["temp_output_bytes"]
-    accumulator = ours["carry"]["updated_bytes"] if ours["carry"] else None
-    out.append({
-        "num_microbatches": n,
-        "memory_vs_hand_written": ratio,
-        "memory_met": ratio <= 1.0,
-        "accumulator_bytes": accumulator,
-        "full_size_accumulator": accumulator is not None and accumulator >= param_bytes,
-        "per_microbatch_count": (ours["collectives"]["per_microbatch_count"],
-                                 hand["collectives"]["per_microbatch_count"]),
-        "per_microbatch_bytes": (ours["collectives"]["per_microbatch_bytes"],
-                                 hand["collectives"]["per_microbatch_bytes"]),
-    })
-  return out
 
 
 def _mib(x: float) -> str:
@@ -634,119 +472,30 @@ def report(records, seconds, samples) -> None:
     ))
 
 
-def plot(config: dict[str, Any], records: dict[tuple[str, str, int], dict[str, Any]],
-         path: Path) -> None:
-  import matplotlib
-
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
+def plot(config: dict[str, Any], records: dict[tuple[str, str, int], dict[str, Any]], name: str,
+         copy_to: Path | None) -> list[Path]:
+  """FSDP: per-device memory and bytes sent per step against N, a line per method."""
   ns = config["ns"]
-  fig, (mem_ax, sent_ax) = plt.subplots(1, 2, figsize=(11, 4.2), dpi=100)
   styles = {HAND: ("black", "o", "-"), HAND_ACT: ("dimgray", "o", "--"),
             SHARD_MAP: ("gray", "x", ":"),
             FSDP: ("tab:green", "^", "-"), ONCE: ("tab:olive", "v", "--"),
             AUTO: ("tab:red", "s", "--"), STRIDED: ("tab:purple", "D", ":"),
             DP: ("tab:blue", "P", "-.")}
-  for method, (color, marker, line) in styles.items():
-    memory = [(records["fsdp", method, n]["temp_output_bytes"]
-               + records["fsdp", method, n]["argument_bytes"]) / _MIB for n in ns]
-    sent = [records["fsdp", method, n]["collectives"]["per_step_bytes"] / _MIB for n in ns]
-    mem_ax.plot(ns, memory, color=color, marker=marker, linestyle=line, label=method)
-    sent_ax.plot(ns, sent, color=color, marker=marker, linestyle=line, label=method)
-  for ax, ylabel in ((mem_ax, "per-device temp + output + arguments (MiB)"),
-                     (sent_ax, "per-device MiB sent per step (ring)")):
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(ns, [str(n) for n in ns])
-    ax.set_xlabel("number of microbatches N")
-    ax.set_ylabel(ylabel)
-    ax.grid(True, alpha=0.3)
-  mem_ax.set_ylim(bottom=0)
-  sent_ax.set_yscale("log", base=2)
-  mem_ax.set_title("memory of one step (compiled memory_analysis)", fontsize=10)
-  sent_ax.set_title("bytes each device sends (collectives in the HLO)", fontsize=10)
-  mem_ax.legend(fontsize=7)
-  fig.suptitle(
-      f"{config['num_layers']} x {config['width']}^2 float32 weights sharded P('data', None)"
-      f" over 8 CPU devices (replicated for the data-parallel line), batch"
-      f" {config['batch_size']}", fontsize=10)
-  fig.tight_layout()
-  path.parent.mkdir(parents=True, exist_ok=True)
-  fig.savefig(path, dpi=100)
-  plt.close(fig)
 
+  def lines(value):
+    return {m: ([value(records["fsdp", m, n]) / _MIB for n in ns], s) for m, s in styles.items()}
 
-def build_explicit(layout: str, method: str, problem: Problem,
-                   n: int) -> tuple[Callable[..., Any], tuple[Any, Any]]:
-  """The jitted step of an explicit-axes row and its arguments."""
-  args = problem.replicated if layout == X_DP else problem.sharded
-  if method in (X_RECIPE, X_RECIPE_FSDP):
-    return jax_unreduced_recipe(problem, n, fsdp=layout == X_FSDP), args
-  if method == X_REPLICATED:
-    return jax_replicated_recipe(problem, n), args
-  gather = "once" if method == X_ONCE else "per_microbatch"
-  return jax.jit(accum_jax.value_and_grad(loss_fn, n,
-      data_parallel=accum_jax.DataParallel(
-          mesh=problem.mesh, data_axis="data", gather=gather))), args
-
-
-def run_explicit(args: argparse.Namespace) -> int:
-  """``--explicit``: JAX's recipe against accum_jax under one Explicit-axes mesh."""
-  start = time.perf_counter()
-  problem = explicit_problem(args.width, args.num_layers, args.batch_size)
-  cases = [(layout, m, n) for n in args.ns for layout, ms in EXPLICIT_METHODS.items()
-           for m in ms]
-  records, calls, grads = {}, {}, {}
-  with jax.set_mesh(problem.mesh):
-    for layout, method, n in cases:
-      built = build_explicit(layout, method, problem, n)
-      record, call = measure(method, problem, n, built)
-      records[layout, method, n] = {**record, "layout": layout}
-      calls[layout, method, n] = call
-      grads[layout, method, n] = jax.device_get(call()[1])
-    samples = time_interleaved(calls, rounds=args.rounds)
-  flat = jax.flatten_util.ravel_pytree
-  rows = []
-  for (layout, method, n), r in records.items():
-    recipe = flat(grads[layout, EXPLICIT_METHODS[layout][0], n])[0]
-    ours = flat(grads[layout, method, n])[0]
-    r["vs_recipe"] = float(np.max(np.abs(ours - recipe)) / np.max(np.abs(recipe)))
-    r["step_seconds"] = statistics.median(samples[layout, method, n])
-    r["step_seconds_quartiles"] = quartiles(samples[layout, method, n])
-    c = r["collectives"]
-    q1, q3 = r["step_seconds_quartiles"]
-    rows.append([
-        n, layout.removeprefix("explicit, "), method, _mib(r["temp_output_bytes"]),
-        _mib(r["argument_bytes"]),
-        _mib(r["carry"]["updated_bytes"]) if r["carry"] else "-",
-        c["per_microbatch"] or "-", _mib(c["per_microbatch_bytes"]),
-        c["outside"] or "-", _mib(c["outside_bytes"]), _mib(c["per_step_bytes"]),
-        f"{1e3 * r['step_seconds']:.0f} [{1e3 * q1:.0f}, {1e3 * q3:.0f}]",
-        f"{r['vs_recipe']:.1e}", f"{r['deviation']:.1e}",
-    ])
-  param_bytes = args.num_layers * args.width**2 * 4
-  config = {
-      "width": args.width, "num_layers": args.num_layers, "batch_size": args.batch_size,
-      "ns": args.ns, "rounds": args.rounds, "quick": args.quick,
-      "activation": args.activation, "param_bytes": param_bytes,
-      "mesh": {"data": 8}, "axis_types": "Explicit", "command": " ".join(sys.argv),
-      "environment": environment(), "total_seconds": time.perf_counter() - start,
-  }
-  print(f"{args.num_layers} x {args.width} x {args.width} float32 weights"
-        f" ({param_bytes / _MIB:.0f} MiB), batch {args.batch_size}; mesh (data 8,"
-        f" Explicit); {args.rounds} interleaved rounds; {config['total_seconds']:.0f} s;"
-        " per device; MiB")
-  print(markdown_table(
-      ["N", "layout", "method", "temp + output", "arguments", "accumulator (loop carry)",
-       "collectives per microbatch", "sent per microbatch", "outside the loop",
-       "sent outside", "sent per step", "step ms (median [q1, q3])",
-       "grad vs recipe (max rel.)", "grad vs one device (max rel.)"],
-      rows,
-  ))
-  name = args.name or ("sharded_explicit_quick" if args.quick else "sharded_explicit")
-  path = write_json(name, {"config": config, "results": list(records.values())})
-  print(f"\nwrote {path}")
-  return 0
+  return plot_against_n(ns, [
+      ("per-device temp + output + arguments (MiB)",
+       "memory of one step (compiled memory_analysis)",
+       lines(lambda r: r["temp_output_bytes"] + r["argument_bytes"]),
+       lambda ax: ax.set_ylim(bottom=0)),
+      ("per-device MiB sent per step (ring)", "bytes each device sends (collectives in the HLO)",
+       lines(lambda r: r["collectives"]["per_step_bytes"]),
+       lambda ax: ax.set_yscale("log", base=2)),
+  ], f"{config['num_layers']} x {config['width']}^2 float32 weights sharded P('data', None)"
+     f" over 8 CPU devices (replicated for the data-parallel line), batch"
+     f" {config['batch_size']}", name, copy_to=copy_to, figsize=(11, 4.2))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -763,9 +512,6 @@ def main(argv: list[str] | None = None) -> int:
                       help="smoke run: width 128, 2 layers, batch 64, N in 1 and 4, 2 rounds")
   parser.add_argument("--name", default=None, help="results bench/results/<name>.json/.png"
                       " (default: sharded, or sharded_quick with --quick)")
-  parser.add_argument("--explicit", action="store_true",
-                      help="only JAX's unreduced-carry recipe against accum_jax on a mesh of"
-                      " 8 with an explicit data axis (results sharded_explicit.json)")
   args = parser.parse_args(argv)
   global activation
   activation = ACTIVATIONS[args.activation]
@@ -777,8 +523,6 @@ def main(argv: list[str] | None = None) -> int:
   if len(jax.devices()) < 8:
     sys.exit(f"8 devices are needed, there are {len(jax.devices())}: set XLA_FLAGS="
              "--xla_force_host_platform_device_count=8 before jax is imported.")
-  if args.explicit:
-    return run_explicit(args)
   name = args.name or ("sharded_quick" if args.quick else "sharded")
   start = time.perf_counter()
   size = (args.width, args.num_layers, args.batch_size)
@@ -799,8 +543,6 @@ def main(argv: list[str] | None = None) -> int:
     r["time_vs_hand_written"] = seconds[layout, method, n] / seconds[layout, HAND, n]
     r["memory_vs_hand_written"] = (r["temp_output_bytes"]
                                    / records[layout, HAND, n]["temp_output_bytes"])
-    cost = model_cost(layout, method, n, args.width, args.num_layers)
-    r["model"] = None if cost is None else {**cost._asdict(), "sent_per_step": cost.sent_per_step}
   config = {
       "width": args.width, "num_layers": args.num_layers, "batch_size": args.batch_size,
       "ns": args.ns, "layout_n": args.layout_n, "rounds": args.rounds, "quick": args.quick,
@@ -813,28 +555,12 @@ def main(argv: list[str] | None = None) -> int:
         f" ({param_bytes / _MIB:.0f} MiB), batch {args.batch_size}; 8 CPU devices;"
         f" {args.rounds} interleaved rounds; {config['total_seconds']:.0f} s")
   report(records, seconds, samples)
-  found = goals(records, args.ns, param_bytes)
-  print("\nFSDP against the hand-written scan (goal: memory <= 1.00x, no full-size float32"
-        " accumulator, collectives per microbatch no more than its):")
-  print(markdown_table(
-      ["N", "temp + output vs hand-written", "accumulator MiB", "full-size accumulator",
-       "collectives per microbatch (accum_jax / hand-written)", "MiB sent per microbatch"],
-      [[g["num_microbatches"], f"{g['memory_vs_hand_written']:.2f}x",
-        _mib(g["accumulator_bytes"] or 0), "yes" if g["full_size_accumulator"] else "no",
-        "{} / {}".format(*g["per_microbatch_count"]),
-        "{} / {}".format(*(_mib(b) for b in g["per_microbatch_bytes"]))] for g in found],
-  ))
   path = write_json(name, {
       "config": config,
       "results": list(records.values()),
-      "goals": found,
   })
-  png = RESULTS_DIR / f"{name}.png"
-  plot(config, records, png)
-  written = [path, png]
-  if not args.quick and args.name is None and args.activation == "tanh":
-    shutil.copyfile(png, DOCS_PLOT)
-    written.append(DOCS_PLOT)
+  full = not args.quick and args.name is None and args.activation == "tanh"
+  written = [path, *plot(config, records, name, DOCS_PLOT if full else None)]
   print(f"\nwrote {', '.join(str(p) for p in written)}")
   return 0
 

@@ -1,40 +1,82 @@
-"""Inside one step: each way of taking a batch's gradient timed, compiled, checked, measured.
+"""Inside one step: the ways of taking a batch's gradient, timed, compiled and checked;
+and the largest batch that fits.
 
-For each number of microbatches N and microbatch size ``micro``: the step time of
-each method (:mod:`gpu_methods`), the methods taking turns in rounds in this
-process (``_common.time_interleaved``), median; its compile time and XLA's static
-``memory_analysis()``; the door's loss and gradient against the hand-written
-scan's; and the peak memory of one step, each (method, N, micro) in a fresh
-process (``_common.fresh_process_peak``: the GPU allocator's peak over what was in
-use before the step; on CPU the resident-set growth). A method that runs out of
-memory is recorded as OOM and the others go on.
+Each way takes a loss and a number of microbatches N and returns a function of
+``(params, tokens)`` returning ``(loss, grads)`` for a batch of N x micro sequences,
+with no optimizer update:
+
+- ``lax.scan``: the hand-written loop (``_common.hand_written_scan``), the reference;
+- ``accum_jax.value_and_grad(loss_fn, N)``: by default (``accum_jax`` in the full
+  run, ``default`` in ``--quick``), and in ``--quick`` also with
+  ``on_nonfinite="skip_microbatch"`` and ``on_nonfinite="unchecked"``;
+- ``full batch``: ``jax.value_and_grad(loss_fn)`` of all the sequences at once.
+
+For each (N, micro): every way compiled (its compile time and XLA's static
+``memory_analysis()``), run once and checked against the scan (:func:`compare`), then
+timed, the ways taking turns in rounds (``_common.time_interleaved``), median. A way
+that runs out of memory is recorded as OOM and the others go on.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import statistics
-import subprocess
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 from _common import (
-    fresh_process_peak,
+    Budget,
+    error_status,
+    hand_written_scan,
     memory_analysis_dict,
     quartiles,
+    report_failure,
     time_interleaved,
 )
-from gpu_budget import Budget
-from gpu_failures import error_status, report_failure, worker_status
-from gpu_methods import ACCUM, FULL, METHODS, SCAN, compare, compile_timed
-from gpu_model import GPT2_SMALL, TINY, Config, make_loss, make_model, make_tokens
+from models import Config, make_tokens
 
-# --quick: the (N, micro) pairs inside a step.
+import accum_jax
+
+FULL = "full batch"
+SCAN = "lax.scan"
+ACCUM = "accum_jax"
+# --quick's names for the door's three ways of judging non-finite data.
+DEFAULT = "default"
+MICROBATCH = "on_nonfinite='skip_microbatch'"
+NO_SKIP = "on_nonfinite='unchecked'"
+
+# accum_jax against the hand-written scan: both sum the same bfloat16 microbatch
+# gradients in float32 and cast the mean to bfloat16, so they differ by the rounding
+# of that cast and the order of the sums: a few bfloat16 ulps (2**-8 relative) of a
+# leaf's largest entry at most.
+GRAD_RTOL = 2e-2
+LOSS_RTOL = 1e-4  # the loss is float32 on both sides
+
+
+def full_batch(loss: Callable, num_microbatches: int) -> Callable:
+  del num_microbatches
+  return jax.value_and_grad(loss)
+
+
+METHODS: dict[str, Callable[[Callable, int], Callable]] = {
+    ACCUM: lambda loss, n: accum_jax.value_and_grad(loss, n),
+    SCAN: hand_written_scan,
+    FULL: full_batch,
+}
+# --quick: the scan first (the reference), the door's three ways of judging non-finite
+# data, the full batch.
+QUICK_METHODS: dict[str, Callable[[Callable, int], Callable]] = {
+    SCAN: hand_written_scan,
+    DEFAULT: METHODS[ACCUM],
+    MICROBATCH: lambda loss, n: accum_jax.value_and_grad(loss, n, on_nonfinite="skip_microbatch"),
+    NO_SKIP: lambda loss, n: accum_jax.value_and_grad(loss, n, on_nonfinite="unchecked"),
+    FULL: full_batch,
+}
+# --quick: the (N, micro) pairs.
 QUICK_PAIRS = ((8, 1), (8, 4), (16, 1))
-
-_MIB = 2**20
 
 
 def step_configurations(ns: list[int], micros: list[int], max_batch: int):
@@ -44,55 +86,32 @@ def step_configurations(ns: list[int], micros: list[int], max_batch: int):
   return kept, [p for p in pairs if p[0] * p[1] > max_batch]
 
 
-# Peak memory, a fresh process per (method, N, micro).
+def compile_timed(fn: Callable, *args: Any) -> tuple[Any, float]:
+  """``jax.jit(fn)`` lowered and compiled for ``args``, and the seconds that took."""
+  start = time.perf_counter()
+  compiled = jax.jit(fn).lower(*args).compile()
+  return compiled, time.perf_counter() - start
 
 
-def build_step(
-    method: str, num_microbatches: int, micro: int, tiny: bool, attention: str
-) -> tuple[Any, tuple[Any, Any]]:
-  """The jitted step of one (method, N, micro) and its arguments: the peak worker's builder."""
-  config = TINY if tiny else GPT2_SMALL
-  graphdef, params = make_model(config, attention)
-  step = jax.jit(METHODS[method](make_loss(graphdef), num_microbatches))
-  return step, (params, make_tokens(num_microbatches * micro, config))
+def rel_diff(a: Any, b: Any) -> float:
+  """The largest |a - b| of any leaf, relative to the largest |b| of that leaf, in float32."""
+  worst = 0.0
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
+    worst = max(worst, float(np.max(np.abs(x - y))) / (float(np.max(np.abs(y))) or 1.0))
+  return worst
 
 
-def memory_jobs(pairs: list[tuple[int, int]]) -> list[tuple[str, int, int]]:
-  """(method, N, micro) to measure; the full batch once per batch size."""
-  jobs, batches = [], set()
-  for n, micro in pairs:
-    jobs += [(ACCUM, n, micro), (SCAN, n, micro)]
-    if n * micro not in batches:
-      batches.add(n * micro)
-      jobs.append((FULL, 1, n * micro))
-  return jobs
-
-
-def measure_memory(
-    jobs: list[tuple[str, int, int]], *, tiny: bool, attention: str, workers: int,
-    budget: Budget, timeout: float,
-) -> dict[tuple[str, int, int], dict[str, Any]]:
-  def one(job):
-    method, n, micro = job
-    if not budget.left("memory"):
-      return {"status": "skipped (budget)"}
-    config = {"method": method, "num_microbatches": n, "micro": micro, "tiny": tiny,
-              "attention": attention}
-    try:
-      result = fresh_process_peak("gpu_step:build_step", config, timeout=timeout)
-    except (RuntimeError, subprocess.TimeoutExpired) as e:
-      status = worker_status(e)
-      print(f"  peak {method} N={n} micro={micro}: {status}", flush=True)
-      return {"status": status}
-    print(f"  peak {method} N={n} micro={micro}: {result['step_peak_bytes'] / _MIB:.1f} MiB"
-          f"{' (masked)' if result.get('masked') else ''}", flush=True)
-    return {"status": "ok", **result}
-
-  with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
-    return dict(zip(jobs, pool.map(one, jobs)))
-
-
-# Time, compile time and exactness, in this process.
+def compare(out: tuple[Any, Any], reference: tuple[Any, Any], *,
+            check: bool = True) -> dict[str, Any]:
+  """Loss and gradient against a reference; ``check``: with the verdict (``match``)."""
+  result = {"loss": float(out[0]), "reference_loss": float(reference[0]),
+            "loss_rel_diff": rel_diff(out[0], reference[0]),
+            "grad_max_rel_diff": rel_diff(out[1], reference[1])}
+  if check:
+    result["match"] = (result["loss_rel_diff"] <= LOSS_RTOL
+                       and result["grad_max_rel_diff"] <= GRAD_RTOL)
+  return result
 
 
 def measure_steps(
@@ -103,17 +122,16 @@ def measure_steps(
 ) -> dict[tuple[int, int], dict[str, Any]]:
   """Per (N, micro): each method compiled once, run once (compared), then timed in turns.
 
-  ``methods`` (default :data:`gpu_methods.METHODS`): each one other than the scan
-  and the full batch is checked against the scan; the first of them is ``exact``,
-  all are in ``checks``. ``warmup_compile``: before the methods of the first pair
-  of each microbatch size, the gradient of one microbatch is compiled and thrown
-  away, so that no method's compile time holds the process's one-time
-  initialisation or the first tuning of that shape's kernels (the first method,
-  the scan, paid it).
+  ``methods`` (default :data:`METHODS`): each one other than the scan and the full
+  batch is checked against the scan; the first of them is ``exact``, all are in
+  ``checks``. ``warmup_compile``: before the first pair of each microbatch size, the
+  gradient of one microbatch is compiled and thrown away, so that no method's compile
+  time holds the process's one-time initialisation or the first tuning of that
+  shape's kernels.
   """
   methods = METHODS if methods is None else methods
   full_steps: dict[int, tuple[Any, dict[str, Any]]] = {}  # by batch size: compiled once
-  warmed: set[int] = set()  # the microbatch sizes whose gradient was compiled to warm up
+  warmed: set[int] = set()
   rows: dict[tuple[int, int], dict[str, Any]] = {}
   for n, micro in pairs:
     batch = n * micro
@@ -124,7 +142,7 @@ def measure_steps(
       continue
     print(f"  N={n} micro={micro} (batch {batch})", flush=True)
     tokens = make_tokens(batch, config, seed=batch)
-    if warmup_compile and micro not in warmed:  # once per microbatch shape
+    if warmup_compile and micro not in warmed:
       compile_timed(jax.value_and_grad(loss), params, tokens[:micro])
       warmed.add(micro)
     compiled, outputs = _run_methods(row, methods, loss, params, tokens, full_steps)
@@ -143,52 +161,30 @@ def _run_methods(
     loss: Callable, params: Any, tokens: jax.Array,
     full_steps: dict[int, tuple[Any, dict[str, Any]]],
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-  """Each method compiled (the full batch once per batch size) and run once.
-
-  Returns the compiled steps that ran and their outputs; each method's entry,
-  with its status, goes into ``row["methods"]``.
-  """
+  """Each method compiled (the full batch once per batch size) and run once: the
+  compiled steps that ran and their outputs; each entry goes into ``row["methods"]``."""
   batch = row["batch"]
   compiled, outputs = {}, {}
-  for method in methods:
+  for method, make in methods.items():
     if method == FULL and batch in full_steps:  # compiled for an earlier row
       step, entry = full_steps[batch][0], dict(full_steps[batch][1])
     else:
-      step, entry = _compile(method, methods[method], loss, row["num_microbatches"], params,
-                             tokens)
+      try:
+        step, seconds = compile_timed(make(loss, row["num_microbatches"]), params, tokens)
+        entry = {"compile_s": seconds, "xla": memory_analysis_dict(step)}
+      except Exception as e:
+        step, entry = None, {"status": report_failure(method, e)}
     if step is not None:
-      output = _first_call(method, step, params, tokens, entry)
-      if output is None:
-        step = None
-      else:
-        compiled[method], outputs[method] = step, output
+      try:
+        outputs[method] = jax.block_until_ready(step(params, tokens))
+        compiled[method] = step
+        entry.setdefault("status", "ok")
+      except Exception as e:
+        entry["status"], step = report_failure(method, e), None
     if method == FULL and batch not in full_steps:
       full_steps[batch] = (step, dict(entry))
     row["methods"][method] = entry
   return compiled, outputs
-
-
-def _compile(name: str, method: Callable[[Callable, int], Callable], loss: Callable, n: int,
-             params: Any, tokens: jax.Array) -> tuple[Any, dict]:
-  """The method's compiled step and its entry (compile time, XLA's memory), or None and
-  its failure (building the step included)."""
-  try:
-    step, seconds = compile_timed(method(loss, n), params, tokens)
-  except Exception as e:
-    return None, {"status": report_failure(name, e)}
-  return step, {"compile_s": seconds, "xla": memory_analysis_dict(step)}
-
-
-def _first_call(name: str, step: Any, params: Any, tokens: jax.Array,
-                entry: dict[str, Any]) -> Any:
-  """The step's output (``entry`` marked ok), or None with the failure in ``entry``."""
-  try:
-    output = jax.block_until_ready(step(params, tokens))
-  except Exception as e:
-    entry["status"] = report_failure(name, e)
-    return None
-  entry.setdefault("status", "ok")
-  return output
 
 
 def _check(row: dict[str, Any], outputs: dict[str, Any], checked: list[str]) -> None:
@@ -228,3 +224,117 @@ def checks_of(row: dict[str, Any]) -> list[dict[str, Any]]:
   if "checks" in row:
     return list(row["checks"].values())
   return [row["exact"]] if row.get("exact") else []
+
+
+# The largest batch that fits: the full batch doubles, from the largest that ran inside
+# a step up to a cap, until its step runs out of memory; then a batch ``factor`` times
+# as large runs through the door with microbatches of that size (halved while they run
+# out of memory), its loss and gradient set against the hand-written scan of the same
+# batch (a full-batch reference does not fit, by construction).
+
+
+def measure_fit(
+    loss: Callable, params: Any, config: Config, *, known: int | None, cap: int, factor: int,
+    rounds: int, budget: Budget,
+) -> dict[str, Any]:
+  """Doubles the full batch until OOM (or ``cap``), then runs ``factor`` times it microbatched.
+
+  ``known``: the largest full batch that already ran (the step section's); the
+  doubling starts at twice it.
+  """
+  result: dict[str, Any] = {"cap": cap, "factor": factor, "tried": []}
+  largest = _largest_full_batch(result, loss, params, config, known=known, cap=cap,
+                                budget=budget)
+  result["largest_full_batch"] = largest
+  result["cap_reached"] = largest is not None and largest * 2 > cap
+  if largest is None or not budget.left("fit"):
+    result.setdefault("status", "no full batch ran" if largest is None else "skipped (budget)")
+    return result
+  _microbatched(result, loss, params, config, batch=factor * largest, factor=factor,
+                rounds=rounds)
+  result["status"] = "ok" if "exact" in result else "incomplete"
+  return result
+
+
+def _largest_full_batch(
+    result: dict[str, Any], loss: Callable, params: Any, config: Config, *,
+    known: int | None, cap: int, budget: Budget,
+) -> int | None:
+  """Doubles the full batch from twice ``known`` until it fails; each try in
+  ``result["tried"]``."""
+  largest = None
+  if known is not None:
+    largest = min(known, cap)
+    result["tried"].append({"batch": largest, "status": "ok (step section)"})
+  batch = 2 * largest if largest else 1
+  while batch <= cap:
+    if not budget.left("fit"):
+      result["status"] = "skipped (budget)"
+      break
+    print(f"  full batch {batch}", flush=True)
+    tokens = make_tokens(batch, config, seed=batch)
+    try:
+      step, seconds = compile_timed(METHODS[FULL](loss, 1), params, tokens)
+      jax.block_until_ready(step(params, tokens))
+      start_time = time.perf_counter()
+      jax.block_until_ready(step(params, tokens))
+      result["tried"].append({"batch": batch, "status": "ok", "compile_s": seconds,
+                              "step_ms": 1e3 * (time.perf_counter() - start_time),
+                              "xla": memory_analysis_dict(step)})
+      largest = batch
+    except Exception as e:
+      status = error_status(e)
+      result["tried"].append({"batch": batch, "status": status})
+      if status != "OOM":
+        traceback.print_exc()
+      break
+    finally:
+      step = tokens = None
+    batch *= 2
+  return largest
+
+
+def _microbatched(
+    result: dict[str, Any], loss: Callable, params: Any, config: Config, *, batch: int,
+    factor: int, rounds: int,
+) -> None:
+  """``batch`` through the door and the scan, microbatches halved while they run out of
+  memory; compared and timed."""
+  tokens = make_tokens(batch, config, seed=batch)
+  result["batch"] = batch
+  outputs, steps = {}, {}
+  for method in (ACCUM, SCAN):
+    n, status = factor, "no microbatch size divides the batch"
+    while batch % n == 0:
+      print(f"  {method}: batch {batch} as N={n} x {batch // n}", flush=True)
+      try:
+        step, seconds = compile_timed(METHODS[method](loss, n), params, tokens)
+        outputs[method] = jax.block_until_ready(step(params, tokens))
+      except Exception as e:
+        status = error_status(e)
+        result.setdefault("failed", []).append({"method": method, "num_microbatches": n,
+                                                "status": status})
+        if status != "OOM":
+          traceback.print_exc()
+          break
+        n *= 2  # smaller microbatches
+        continue
+      steps[method] = step
+      result[method] = {"num_microbatches": n, "micro": batch // n, "status": "ok",
+                        "compile_s": seconds, "xla": memory_analysis_dict(step)}
+      break
+    if method not in steps:
+      result[method] = {"status": status}
+  if ACCUM in outputs and SCAN in outputs:
+    result["exact"] = compare(outputs[ACCUM], outputs[SCAN])
+  del outputs
+  if steps:
+    calls = {m: (lambda s=s: s(params, tokens)) for m, s in steps.items()}
+    try:
+      samples = time_interleaved(calls, rounds=rounds, warmup=0)
+    except Exception as e:
+      result["timing"] = error_status(e)
+    else:
+      for method, times in samples.items():
+        result[method].update(step_ms=1e3 * statistics.median(times),
+                              step_ms_samples=[1e3 * t for t in times])

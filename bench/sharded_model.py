@@ -1,64 +1,17 @@
 """Per-device memory and communication of one microbatched step, as formulas.
 
-The cost model behind ``docs/multi_device.md``: for each way
-``accum_jax.value_and_grad(..., data_parallel=DataParallel(mesh=...))`` can reduce
-a gradient, what one device holds and sends in one step of ``K`` microbatches. It
-counts what scales with the parameters; activations, the batch and XLA's scratch
-buffers are outside it.
-
-Symbols (per step, per device):
-
-- ``P``: parameters (elements); ``T``: devices on the tensor axis, so a device
-  works on ``Q = P / T`` of them;
-- ``D``: devices on the data axes (the batch is split over all of them);
-  ``R``: of those, the replicas (HSDP); the parameters are sharded over the
-  other ``F = D / R`` (``F = 1``: data parallel, ``R = 1``: FSDP);
-- ``K``: microbatches;
-- byte widths ``p`` (parameter), ``a`` (accumulator, 4: float32), ``g`` (gather:
-  what ``fun`` sees; ``p`` unless ``gather_dtype``), ``r`` (reduce: what crosses
-  devices; the gradient's, ``g`` for gathered leaves, unless ``reduce_dtype``).
-
-Memory::
-
-  parameters (argument)       Q p / F
-  gathered parameters         Q g          (F > 1; alive for the whole loop: XLA
-                                            hoists the gather out of it)
-  accumulator                 Q a / F      (F > 1, gather="per_microbatch")
-                              Q a          (otherwise: one full-size local sum)
-  gradient in flight          <= Q g       (one microbatch's local gradient before
-                                            it is reduced or added; XLA frees it
-                                            leaf by leaf, so usually one leaf)
-  output (the gradient)       Q p / F
-
-Bytes sent, ring algorithms (all-gather and reduce-scatter (n-1)/n of the full
-size, all-reduce 2(n-1)/n), as ``accum_jax.testing.Collective.bytes_sent`` counts::
-
-  before the loop             (F-1)/F Q g                  all-gather over F
-  per microbatch              (F-1)/F Q r                  reduce-scatter over F
-                                                           (gather="per_microbatch")
-  after the loop              (F-1)/F Q r                  reduce-scatter over F
-                                                           (gather="once")
-                              + 2(R-1)/R (Q/F) r           all-reduce over R
-
-Per step: before + K x per microbatch + after. Data parallel is ``F = 1, R = D``:
-one all-reduce of ``2(D-1)/D Q r``. Scalars (loss, weights, counts, the agreed
-skip flags: a few bytes each) are left out, and so are a tensor axis's
-all-reduces of activations (proportional to the batch, not to ``P``).
-
-With a tensor axis (``T > 1``), the lines above are what the step would move if
-the tensor split survived the collectives over the data axes. It does not, as
-JAX 0.10 compiles them: inside ``shard_map`` (manual over the data axes, the
-tensor axis automatic) the operand of a collective over the data axes is first
-gathered over the tensor axis. So (``Layout.tensor_split_kept=False``, the
-default)::
-
-  before the loop             (D-1)/D P g + (T-1)/T (P/D) g   all-gather over D, over T
-  per microbatch              (D-1)/D P r + (T-1)/T P r       reduce-scatter over D,
-                                                              all-gather over T
-  gradient in flight          <= P g
-
-The loop still carries ``P g / T`` of gathered parameters and ``P a / (D T)`` of
-accumulator: the tensor split is restored after each collective.
+The cost model of docs/multi_device.md ("What it costs: the model", where its table
+of formulas stands): for each way ``accum_jax.value_and_grad(...,
+data_parallel=DataParallel(mesh=...))`` reduces a gradient, what one device holds and
+sends in one step of ``K`` microbatches, with ``P`` parameters, ``T`` devices on a
+tensor axis, ``D`` on the data axes of which ``R`` are replicas (the parameters
+sharded over ``F = D / R``), and byte widths ``p`` (parameter), ``a`` (accumulator),
+``g`` (gather) and ``r`` (reduce). It counts what scales with the parameters:
+activations, the batch, XLA's scratch and scalars are outside it. Bytes sent are a
+ring's, as ``accum_jax.testing.Collective.bytes_sent`` counts them. With a tensor axis,
+the collectives over the data axes first gather their operand over it, as JAX 0.10
+compiles them (``Layout.tensor_split_kept=False``, the default); tests/test_cost_model.py
+holds the formulas to the compiled step.
 
 Run it for the documentation's projection table::
 
