@@ -1,4 +1,4 @@
-"""Helpers shared by the benchmarks: timing, sizes, output and plots, budgets and
+"""Helpers shared by the benchmarks: timing, sizes, output, budgets and
 failures, the hand-written scan, and the peak memory of one step in a fresh process."""
 
 from __future__ import annotations
@@ -9,13 +9,12 @@ import importlib
 import json
 import os
 import platform
-import shutil
 import statistics
 import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,13 +32,9 @@ def tree_nbytes(tree: Any) -> int:
 def environment() -> dict[str, Any]:
   """What the numbers were measured on, for the JSON output: the tree's commit too."""
   return {
-      "commit": git_commit(),
-      "jax": jax.__version__,
-      "backend": jax.default_backend(),
-      "devices": [str(d) for d in jax.devices()],
-      "cpu_count": os.cpu_count(),
-      "platform": platform.platform(),
-      "python": platform.python_version(),
+      "commit": git_commit(), "jax": jax.__version__, "backend": jax.default_backend(),
+      "devices": [str(d) for d in jax.devices()], "cpu_count": os.cpu_count(),
+      "platform": platform.platform(), "python": platform.python_version(),
       "xla_flags": os.environ.get("XLA_FLAGS", ""),
       # Other processes share the machine; a high load makes timings noisy.
       "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
@@ -47,10 +42,8 @@ def environment() -> dict[str, Any]:
 
 
 def git_commit() -> str | None:
-  """The short commit of the working tree the benchmark runs from, with "-dirty"
-  where tracked files differ from it; None outside git. ``BENCH_COMMIT`` overrides
-  it, for a copy of the tree whose git history is not the tree's (a remote machine
-  handed the working tree alone)."""
+  """The tree's short commit, "-dirty" where tracked files differ; None outside git.
+  ``BENCH_COMMIT`` overrides it, for a copy of the tree without its history."""
   if os.environ.get("BENCH_COMMIT"):
     return os.environ["BENCH_COMMIT"]
   try:
@@ -59,9 +52,7 @@ def git_commit() -> str | None:
                          cwd=Path(__file__).resolve().parent)
   except (OSError, subprocess.TimeoutExpired):
     return None
-  if out.returncode != 0:
-    return None
-  return out.stdout.strip() or None
+  return (out.stdout.strip() or None) if out.returncode == 0 else None
 
 
 def write_json(name: str, data: Any) -> Path:
@@ -97,46 +88,6 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
   return "\n".join([line(headers), line(rule)] + [line(r) for r in cells])
 
 
-def plot_against_n(
-    ns: Sequence[int], panels: Sequence[tuple[str, str, dict[str, Any], Any]], title: str,
-    name: str, *, copy_to: Path | None = None, figsize: tuple[float, float] = (10, 4),
-) -> list[Path]:
-  """Panels of lines against the number of microbatches N (a log-2 axis), saved to
-  ``bench/results/<name>.png`` and copied to ``copy_to`` if given; the paths written.
-
-  ``panels``: per panel ``(ylabel, title, lines, extra)``: ``lines`` maps a label to
-  ``(values, (color, marker, linestyle))``; ``extra(ax)``, or None, draws the rest.
-  """
-  import matplotlib
-
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
-  fig, axes = plt.subplots(1, len(panels), figsize=figsize, dpi=100)
-  for ax, (ylabel, panel_title, lines, extra) in zip(axes, panels):
-    for label, (values, (color, marker, linestyle)) in lines.items():
-      ax.plot(ns, values, color=color, marker=marker, linestyle=linestyle, label=label)
-    if extra is not None:
-      extra(ax)
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(ns, [str(n) for n in ns])
-    ax.set_xlabel("number of microbatches N")
-    ax.set_ylabel(ylabel)
-    ax.set_title(panel_title, fontsize=10)
-    ax.grid(True, alpha=0.3)
-  axes[0].legend(fontsize=7)
-  fig.suptitle(title, fontsize=10)
-  fig.tight_layout()
-  path = RESULTS_DIR / f"{name}.png"
-  path.parent.mkdir(parents=True, exist_ok=True)
-  fig.savefig(path, dpi=100)
-  plt.close(fig)
-  if copy_to is None:
-    return [path]
-  shutil.copyfile(path, copy_to)
-  return [path, copy_to]
-
-
 def _is_number(x: Any) -> bool:
   if isinstance(x, (int, float)):
     return True
@@ -147,24 +98,28 @@ def _is_number(x: Any) -> bool:
   return True
 
 
+def rotations(names: Iterable[Any], rounds: int) -> Iterator[list[Any]]:
+  """Each round's order of ``names``, starting one further along each round: drift in
+  the machine's speed (other processes, clocks, heat) falls on all of them alike
+  instead of on whichever runs last."""
+  names = list(names)
+  for r in range(rounds if names else 0):
+    yield names[r % len(names):] + names[:r % len(names)]
+
+
 def time_interleaved(
     fns: Mapping[str, Callable[[], Any]], *, rounds: int = 5, warmup: int = 1
 ) -> dict[str, list[float]]:
-  """Wall-clock seconds of each of ``rounds`` calls of every ``fns[name]()``.
-
-  The functions take turns, one call each per round, and the round starts one
-  function further each time: drift in the machine's speed (other processes,
-  clocks, thermal state) falls on all of them alike instead of on whichever ran
-  last. Each call is blocked on (``jax.block_until_ready``), so that the time covers
-  the computation, not only its dispatch; ``warmup`` untimed calls of each come first.
+  """Wall-clock seconds of each of ``rounds`` calls of every ``fns[name]()``, taking turns
+  (:func:`rotations`). Each call is blocked on (``jax.block_until_ready``), so that the
+  time covers the computation, not only its dispatch; ``warmup`` untimed calls first.
   """
-  names = list(fns)
-  for name in names:
+  for name in fns:
     for _ in range(warmup):
       jax.block_until_ready(fns[name]())
-  samples: dict[str, list[float]] = {name: [] for name in names}
-  for r in range(rounds):
-    for name in names[r % len(names):] + names[: r % len(names)]:
+  samples: dict[str, list[float]] = {name: [] for name in fns}
+  for order in rotations(fns, rounds):
+    for name in order:
       start = time.perf_counter()
       jax.block_until_ready(fns[name]())
       samples[name].append(time.perf_counter() - start)
@@ -193,7 +148,7 @@ class Budget:
   SHARES = {"step": 0.75, "across_calls": 0.85, "loop": 0.92, "fit": 1.0}
   # bench_gpu.py --quick: by the times of a run on an H200 (245 s), the pairs 8x1 and
   # 8x4, the four rows of the across-calls figures, the loop's first six loops.
-  QUICK_SHARES = {"step": 0.36, "across_calls": 0.54, "loop": 0.93}
+  QUICK_SHARES = {"step": 0.36, "across_calls": 0.54, "loop": 0.93, "fit": 1.0}
 
   def __init__(self, seconds: float, shares: dict[str, float] | None = None):
     self.start = time.perf_counter()
@@ -228,7 +183,15 @@ def report_failure(name: str, error: BaseException) -> str:
 
 
 # ---------------------------------------------------------------------------
-# The reference inside a step.
+# Float32 sums, and the reference inside a step.
+
+
+def zeros_float32(tree: Any) -> Any:
+  return jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), tree)
+
+
+def add_float32(acc: Any, grads: Any) -> Any:
+  return jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads)
 
 
 def hand_written_scan(loss: Callable, num_microbatches: int) -> Callable:
@@ -241,10 +204,9 @@ def hand_written_scan(loss: Callable, num_microbatches: int) -> Callable:
         lambda x: x.reshape(num_microbatches, -1, *x.shape[1:]), batch)
 
     def body(total, microbatch):
-      out = jax.value_and_grad(loss)(params, microbatch)
-      return jax.tree.map(lambda s, x: s + x.astype(jnp.float32), total, out), None
+      return add_float32(total, jax.value_and_grad(loss)(params, microbatch)), None
 
-    zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), (jnp.zeros(()), params))
+    zeros = zeros_float32((jnp.zeros(()), params))
     (value, grads), _ = jax.lax.scan(body, zeros, microbatches)
     return value / num_microbatches, jax.tree.map(
         lambda g, p: (g / num_microbatches).astype(p.dtype), grads, params)
@@ -275,14 +237,6 @@ def proc_status_bytes(field: str) -> int | None:
   return None
 
 
-def _maxrss_bytes() -> int:
-  import resource
-
-  # Linux reports kilobytes, macOS bytes.
-  scale = 1 if sys.platform == "darwin" else 1024
-  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
-
-
 def _release_free_memory() -> None:
   gc.collect()
   try:
@@ -306,23 +260,14 @@ def fresh_process_peak(
 ) -> dict[str, Any]:
   """The memory of one step of a compiled function, measured in a new process.
 
-  Args:
-    builder: ``"module:function"``, a module in ``bench/``, called with ``**config``
-      in the new process; it returns ``(jitted, args)``, the ``jax.jit``-ed step and
-      its arguments already on the device (made with NumPy and ``jax.device_put``, so
-      that setting up leaves no temporaries behind).
-    config: JSON-serialisable keyword arguments for the builder.
-    timeout: seconds before the worker is killed.
-    cpus: run the worker on this many of this process's CPUs only (XLA:CPU sizes its
-      thread pool by them; on one, the step's kernels run one at a time).
-    xla_flags: added to the worker's ``XLA_FLAGS``.
-
-  Returns:
-    ``step_peak_bytes`` (the step's growth), ``method`` (how it was measured),
-    ``masked`` (the figure is a lower bound), ``argument_bytes``, ``output_bytes``,
-    ``xla`` (``memory_analysis()``), ``compile_seconds``, on a CPU
-    ``first_call_peak_bytes`` (the first call's, one-time costs included), and the
-    raw readings. A worker that fails raises ``RuntimeError`` with its output's end.
+  ``builder``, ``"module:function"`` of bench/, is called there with ``**config`` and
+  returns the jitted step and its arguments, already on the device (made with NumPy and
+  ``jax.device_put``: setting up leaves no temporaries). ``cpus``: the worker on that
+  many of this process's CPUs (XLA:CPU sizes its thread pool by them); ``xla_flags``:
+  added to its ``XLA_FLAGS``. Returns ``step_peak_bytes`` (the step's growth),
+  ``method``, ``masked`` (a lower bound), ``argument_bytes``, ``output_bytes``, ``xla``
+  (``memory_analysis()``), ``compile_seconds``, on a CPU ``first_call_peak_bytes``, and
+  the raw readings; a worker that fails raises ``RuntimeError`` with its output's end.
   """
   env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(_MMAP_THRESHOLD),
          # A second process sharing a GPU with the first: allocate as needed.
@@ -360,73 +305,48 @@ def memory_analysis_dict(compiled: jax.stages.Compiled) -> dict[str, int]:
 
 def _peak_worker(builder: str, config_json: str) -> None:
   module_name, function_name = builder.split(":")
-  build = getattr(importlib.import_module(module_name), function_name)
-  jitted, args = build(**json.loads(config_json))
+  jitted, args = getattr(importlib.import_module(module_name), function_name)(
+      **json.loads(config_json))
   jax.block_until_ready(args)
   device = jax.devices()[0]
-  on_gpu = device.platform == "gpu"
-  result: dict[str, Any] = {
-      "platform": device.platform,
-      "device": str(device),
-      "argument_bytes": tree_nbytes(args),
-  }
+  result: dict[str, Any] = {"platform": device.platform, "device": str(device),
+                            "argument_bytes": tree_nbytes(args)}
   _release_free_memory()
   result["rss_after_setup_bytes"] = proc_status_bytes("VmRSS")
-  result["hwm_after_setup_bytes"] = proc_status_bytes("VmHWM")
-
   start = time.perf_counter()
   compiled = jitted.lower(*args).compile()
-  result["compile_seconds"] = time.perf_counter() - start
-  result["xla"] = memory_analysis_dict(compiled)
-  result["hwm_after_compile_bytes"] = proc_status_bytes("VmHWM")
-
+  result.update(compile_seconds=time.perf_counter() - start,
+                xla=memory_analysis_dict(compiled),
+                hwm_after_compile_bytes=proc_status_bytes("VmHWM"))
   _release_free_memory()
-  if on_gpu:
+  if device.platform == "gpu":
     before = device.memory_stats() or {}
-    start = time.perf_counter()
     out = jax.block_until_ready(compiled(*args))
-    result["step_seconds"] = time.perf_counter() - start
     after = device.memory_stats() or {}
-    in_use, peak_before = before.get("bytes_in_use"), before.get("peak_bytes_in_use")
-    peak = after.get("peak_bytes_in_use")
+    in_use, peak = before.get("bytes_in_use"), after.get("peak_bytes_in_use")
     result.update(
         method="gpu peak_bytes_in_use - bytes_in_use before the step",
-        bytes_in_use_before=in_use,
-        peak_bytes_in_use_before=peak_before,
-        peak_bytes_in_use_after=peak,
-        bytes_limit=after.get("bytes_limit"),
-    )
-    if in_use is None or peak is None:
-      result.update(step_peak_bytes=None, masked=True)
-    else:
-      result.update(step_peak_bytes=peak - in_use, masked=peak <= (peak_before or 0))
+        bytes_in_use_before=in_use, peak_bytes_in_use_before=before.get("peak_bytes_in_use"),
+        peak_bytes_in_use_after=peak, bytes_limit=after.get("bytes_limit"),
+        step_peak_bytes=None if in_use is None or peak is None else peak - in_use,
+        # The peak cannot be reset: masked where an earlier one (set-up, autotuning) stands.
+        masked=in_use is None or peak is None
+        or peak <= (before.get("peak_bytes_in_use") or 0))
   else:
     # Twice: the first call also faults in one-time things that belong to no step
     # (thread stacks, code pages, lazily built runtime state), kept as first_call_*.
     for key in ("first_call", "step"):
+      out = None
       _release_free_memory()
       reset = _reset_peak_rss()
       rss_before = proc_status_bytes("VmRSS")
-      maxrss_before = _maxrss_bytes()
-      start = time.perf_counter()
       out = jax.block_until_ready(compiled(*args))
-      seconds = time.perf_counter() - start
-      hwm, maxrss = proc_status_bytes("VmHWM"), _maxrss_bytes()
-      if reset and rss_before is not None and hwm is not None:
-        method = "VmHWM reset before the step (clear_refs), minus VmRSS before it"
-        peak, masked = hwm - rss_before, False
-      else:
-        method = "ru_maxrss growth over the step (peak could not be reset)"
-        peak, masked = maxrss - maxrss_before, maxrss <= maxrss_before
-      result.update({f"{key}_peak_bytes": peak, f"{key}_seconds": seconds,
-                     f"rss_before_{key}_bytes": rss_before, f"hwm_after_{key}_bytes": hwm})
-      if key == "first_call":
-        first_masked = masked
-        del out
-    if not reset:
-      # ru_maxrss cannot be reset: the second call cannot rise above the first.
-      result.update(step_peak_bytes=result["first_call_peak_bytes"], masked=first_masked)
-    result.update(method=method, masked=result.get("masked", masked))
+      hwm = proc_status_bytes("VmHWM")
+      peak = hwm - rss_before if reset and rss_before is not None and hwm is not None else None
+      result.update({f"{key}_peak_bytes": peak, f"rss_before_{key}_bytes": rss_before,
+                     f"hwm_after_{key}_bytes": hwm})
+    result.update(method="VmHWM reset before the step (clear_refs), minus VmRSS before it",
+                  masked=result["step_peak_bytes"] is None)
   result["output_bytes"] = tree_nbytes(out)
   print(_PEAK_MARKER + json.dumps(result, default=_to_json), flush=True)
 

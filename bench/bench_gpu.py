@@ -1,22 +1,15 @@
 """GPT-2 small on one GPU: both doors, the training loop, the largest batch that fits.
 
-The model is ``models.GPT2_SMALL`` (Flax NNX, 124M bfloat16 parameters, random tokens;
-cuDNN's fused attention where it compiles, ``--attention``). The sections:
-``step`` (``gpu_step.py``: inside one step, for each N x micro, the hand-written scan,
-``accum_jax.value_and_grad`` and the full batch, timed in interleaved rounds, compiled,
-and the door checked against the scan: the script exits 1 if they differ by more than
-bfloat16 rounding); ``across_calls`` (``bench_micro_step.py``'s rows, every_k = 8, in
-the step users write); ``loop`` (``bench_loop.py``: the training loop users run); and
-``fit`` (``gpu_step.py``: the largest full batch that fits, then a batch
-``--fit-factor`` times as large, microbatched; on a GPU, or with ``--fit``).
-``gpu_report.py`` prints both doors in one table (with ``--compare``, an earlier run's
-figures beside it) and the headline figures. ``--budget`` stops starting new work once
-a section's share of it is spent, so that a run ends, its JSON written, inside a
-10-minute job; a configuration that runs out of memory is recorded as OOM.
-
-``--quick``, the GPU check (under 4.5 minutes, ``--budget`` 245 s): step, across_calls
-and loop; inside a step at 8x1, 8x4 and 16x1, the door by default, with
-``on_nonfinite="skip_microbatch"`` and with ``"unchecked"``, after a warm-up compile.
+The sections, on ``models.GPT2_SMALL``: ``step`` (``gpu_step.py``, inside one step: the
+hand-written scan, the door's three ways of judging non-finite data and the full batch,
+timed, compiled, and the door checked against the scan: exit 1 beyond bfloat16
+rounding); ``across_calls`` (``bench_micro_step.py``'s rows); ``loop`` (``bench_loop.py``);
+``fit`` (``gpu_step.py``: the largest full batch that fits, then ``--fit-factor`` times
+it microbatched; on a GPU, or with ``--fit``). ``gpu_report.py`` prints both doors in
+one table (``--compare``: an earlier run's figures beside it) and the headline figures.
+``--budget`` stops starting new work once a section's share is spent, so that a run
+ends, its JSON written, inside a 10-minute job; a step out of memory is recorded OOM.
+``--quick`` is the GPU check: step (8x1, 8x4, 16x1), across_calls and loop, 245 s.
 
 Run from the repository root::
 
@@ -37,8 +30,8 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import models
 from _common import Budget, environment, git_commit, tree_nbytes, write_json
-from bench_loop import host_tokens
 from bench_loop import measure as measure_loops
 from bench_micro_step import measure_rows
 from gpu_report import fit_table, goals, header, print_report, records_of
@@ -46,14 +39,12 @@ from gpu_step import (
     FULL,
     GRAD_RTOL,
     LOSS_RTOL,
-    QUICK_METHODS,
     QUICK_PAIRS,
     checks_of,
     measure_fit,
     measure_steps,
-    step_configurations,
 )
-from models import GPT2_SMALL, TINY, Config, make_loss, make_model, make_tokens, resolve_attention
+from models import Config, host_tokens, make_tokens
 
 SECTIONS = ("step", "across_calls", "loop", "fit")
 # The loop section: rounds of LOOP_WINDOWS windows of 8 calls (one sequence each) per loop.
@@ -77,8 +68,6 @@ def _parser() -> argparse.ArgumentParser:
                       help="sequences per microbatch (default 1 2 4 8 16 32; --tiny 4)")
   parser.add_argument("--rounds", type=int, default=None,
                       help="timed calls (windows across calls) of each (default 10; --tiny 5)")
-  parser.add_argument("--max-batch", type=int, default=512,
-                      help="skip (N, micro) with N x micro above this (default 512)")
   parser.add_argument("--fit", action="store_true",
                       help="search the largest batch that fits also off a GPU")
   parser.add_argument("--fit-cap", type=int, default=None,
@@ -123,25 +112,24 @@ class Run:
 def _start(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Run:
   """The arguments' defaults resolved, and the JSON's config."""
   on_gpu = jax.default_backend() == "gpu"
-  model = TINY if args.tiny else GPT2_SMALL
+  model = models.TINY if args.tiny else models.GPT2_SMALL
   sections = args.sections or ["step", "across_calls", "loop" if args.quick else "fit"]
   ns = args.ns or ([1, 4] if args.tiny else [1, 2, 4, 8, 16])
   micros = args.micro or ([4] if args.tiny else [1, 2, 4, 8, 16, 32])
   rounds = args.rounds or (5 if args.tiny else 10)
   if min(ns + micros) < 1 or rounds < 1:
     parser.error("--ns, --micro and --rounds must be >= 1")
-  pairs, too_large = step_configurations(ns, micros, args.max_batch)
+  pairs = sorted(((n, m) for n in ns for m in micros), key=lambda p: (p[0] * p[1], p))
   if args.quick and not (args.ns or args.micro):
-    pairs, too_large = list(QUICK_PAIRS), []
+    pairs = list(QUICK_PAIRS)
   name = args.name or ("gpu_check" if args.quick else "gpu") + ("_tiny" if args.tiny else "")
   seconds = args.budget if args.budget is not None else (245 if args.quick else 540)
   device = jax.devices()[0]
   config: dict[str, Any] = {
       "model": dataclasses.asdict(model), "tiny": args.tiny, "tied_head": True,
       "dtype": "bfloat16 parameters and compute, float32 loss",
-      "attention": resolve_attention(args.attention, model), "quick": args.quick,
-      "pairs": [list(p) for p in pairs], "rounds": rounds, "max_batch": args.max_batch,
-      "skipped_too_large": [list(p) for p in too_large], "sections": sections,
+      "attention": models.resolve_attention(args.attention, model), "quick": args.quick,
+      "pairs": [list(p) for p in pairs], "rounds": rounds, "sections": sections,
       "fit": "fit" in sections and (on_gpu or args.fit), "budget_s": seconds,
       "fit_cap": args.fit_cap or (64 if args.tiny else 512), "commit": git_commit(),
       "platform": jax.default_backend(), "device_kind": device.device_kind,
@@ -158,9 +146,7 @@ def _start(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Run:
 def _step_section(run: Run, loss: Any, params: Any) -> None:
   print("\ninside a step, the methods taking turns:", flush=True)
   rows = measure_steps(run.pairs, loss, params, run.model, rounds=run.rounds,
-                       budget=run.budget, on_group=run.save,
-                       methods=QUICK_METHODS if run.args.quick else None,
-                       warmup_compile=run.args.quick)
+                       budget=run.budget, on_group=run.save)
   run.output["results"] = list(rows.values())
   run.save()
 
@@ -223,14 +209,11 @@ def main(argv: list[str] | None = None) -> int:
   parser = _parser()
   run = _start(parser.parse_args(argv), parser)
   config = run.config
-  graphdef, params = make_model(run.model, config["attention"])
+  graphdef, params = models.make_model(run.model, config["attention"])
   config["param_count"] = sum(x.size for x in jax.tree.leaves(params))
   config["param_bytes"] = tree_nbytes(params)
   print(header(config), flush=True)
-  if config["skipped_too_large"]:
-    print(f"skipped, batch above --max-batch {run.args.max_batch}: "
-          + ", ".join(f"N={n} micro={m}" for n, m in config["skipped_too_large"]))
-  loss = make_loss(graphdef)
+  loss = models.make_loss(graphdef)
   sections = {"step": _step_section, "across_calls": _across_section, "loop": _loop_section}
   for name, section in sections.items():
     if name in config["sections"]:

@@ -1,24 +1,17 @@
 """Across calls, in the step users write: what a call that only accumulates costs.
 
-Each row is one way of handling a call's gradient (:func:`across_candidates`): the
-acc-only floor (the gradient and a float32 add per leaf, no optimizer state); the
-interface's floor (the same with the inner optimizer's state passed through untouched,
-as an Optax transformation is handed its whole state on every call);
-``accumulate(adamw)`` on the host schedule (``apply=False`` on a window's first calls,
-``apply=True`` on its last: two compiled programs) and on the device schedule
-(``apply`` left out: one program, a kept conditional); a hand-written ``lax.cond``
-accumulator; a plain AdamW step; ``optax.MultiSteps(adamw)``; and
-``accumulate(optax.flatten(adamw))`` on the host schedule. Each call takes the gradient
-of one sequence and updates, in one jit with the parameters and the state donated;
-every_k = 8; the rows take turns, a window each per round. Per row: the median
-micro-step (a call that only accumulates) against both floors, the median window
-against MultiSteps', and the compiled micro-step's top-level fusions (on a GPU about
-one kernel each), copies (of leaves: more than a scalar) and conditionals
-(``accum_jax.testing.kernel_counts``); tests/test_bench_micro_step.py holds those
-counts to their bounds.
-
-On its own, on ``models.gpt2_tree`` (148 narrow bfloat16 leaves, a CPU's size);
-bench_gpu.py's across-calls section runs the same rows on GPT-2 small.
+The rows (:func:`across_candidates`): the acc-only floor (the gradient and a float32
+add per leaf); the interface's floor (the same with the inner state passed through, as
+an Optax transformation is handed its whole state on every call); ``accumulate(adamw)``
+on the host schedule (two programs: ``apply=True`` on a window's last call only) and on
+the device schedule (one program, a kept conditional); ``accumulate(optax.flatten(
+adamw))`` on the host schedule; a hand-written ``lax.cond`` accumulator; a plain AdamW
+step; ``optax.MultiSteps(adamw)``. Each call the gradient of one sequence and the update
+in one jit, donated; the rows take turns a window of 8 at a time. Per row: the median
+micro-step against both floors, the window against MultiSteps', and the compiled
+micro-step's fusions, copies and conditionals (``accum_jax.testing.kernel_counts``;
+tests/test_bench_micro_step.py bounds them). Here on ``models.gpt2_tree`` (148 narrow
+leaves); bench_gpu.py runs the same rows on GPT-2 small.
 
 Run from the repository root::
 
@@ -41,13 +34,16 @@ import jax.numpy as jnp
 import optax
 from _common import (
     Budget,
+    add_float32,
     environment,
     git_commit,
     markdown_table,
     memory_analysis_dict,
     report_failure,
+    rotations,
     tree_nbytes,
     write_json,
+    zeros_float32,
 )
 from models import gpt2_tree, loss_fn
 
@@ -67,47 +63,29 @@ FLATTEN_HOST = "accumulate(optax.flatten(adamw)), host schedule"
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
-  """One way of handling a call's gradient: its state and its update, both of plain arrays.
-
-  ``update(params, state, grads, apply) -> (params, state)`` is jitted with the
-  parameters and the state donated and ``apply`` static. ``host``: the host says
-  which call ends a window, ``apply`` False on its first calls and True on its
-  last (two compiled programs); else ``apply`` is None and the row ignores it.
-  """
+  """One way of handling a call's gradient: ``init(params)`` and ``update(params, state,
+  grads, apply) -> (params, state)``, jitted with ``apply`` static. ``host``: the host
+  says which call ends a window (``apply`` True on its last call only), else ``apply``
+  is None."""
 
   init: Callable[[Any], Any]
   update: Callable[[Any, Any, Any, bool | None], tuple[Any, Any]]
   host: bool = False
 
 
-def _zeros32(params: Any) -> Any:
-  return jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), params)
-
-
-def _add(acc: Any, grads: Any) -> Any:
-  return jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads)
-
-
-def _acc_only_floor() -> Candidate:
-  """A float32 add per leaf and no optimizer state: the least a micro-step can cost."""
-
-  def update(params, acc, grads, apply):
-    del apply
-    return params, _add(acc, grads)
-
-  return Candidate(_zeros32, update)
-
-
-def _interface_floor(inner: optax.GradientTransformation) -> Candidate:
-  """The acc-only floor with the inner state passed through untouched: an Optax
-  transformation is handed its whole state on every call, each buffer dispatched."""
+def _floor(inner: optax.GradientTransformation | None = None) -> Candidate:
+  """The gradient's float32 add per leaf and nothing else (the acc-only floor); with
+  ``inner``, its state passed through untouched (the interface's floor: an Optax
+  transformation is handed its whole state on every call, each buffer dispatched)."""
 
   def update(params, state, grads, apply):
-    del apply
-    acc, inner_state = state
-    return params, (_add(acc, grads), inner_state)
+    if inner is None:
+      return params, add_float32(state, grads)
+    return params, (add_float32(state[0], grads), state[1])
 
-  return Candidate(lambda p: (_zeros32(p), inner.init(p)), update)
+  if inner is None:
+    return Candidate(zeros_float32, update)
+  return Candidate(lambda p: (zeros_float32(p), inner.init(p)), update)
 
 
 def _hand_written_cond(inner: optax.GradientTransformation, every_k: int) -> Candidate:
@@ -119,13 +97,13 @@ def _hand_written_cond(inner: optax.GradientTransformation, every_k: int) -> Can
   """
 
   def init(params):
-    return jnp.zeros((), jnp.int32), _zeros32(params), inner.init(params)
+    return jnp.zeros((), jnp.int32), zeros_float32(params), inner.init(params)
 
   def update(params, state, grads, apply):
     del apply
     count, acc, inner_state = state
     count = count + 1
-    acc = _add(acc, grads)
+    acc = add_float32(acc, grads)
     emit = count % every_k == 0
 
     def apply_inner(acc, inner_state, params):
@@ -166,11 +144,11 @@ def across_candidates(every_k: int, inner: optax.GradientTransformation | None =
     return accum_jax.accumulate(adamw, every_k=every_k, **kwargs)
 
   return {
-      FLOOR: _interface_floor(adamw),
+      FLOOR: _floor(adamw),
       HOST: _transformation(accumulate(), host=True),
       DEVICE: _transformation(accumulate()),
       MULTISTEPS_ADAMW: _transformation(optax.MultiSteps(adamw, every_k).gradient_transformation()),
-      ACC_FLOOR: _acc_only_floor(),
+      ACC_FLOOR: _floor(),
       FLATTEN_HOST: _transformation(
           accum_jax.accumulate(optax.flatten(adamw), every_k=every_k), host=True),
       HAND_COND: _hand_written_cond(adamw, every_k),
@@ -188,22 +166,13 @@ class Row:
   carry: list[Any]
 
 
-def window_applies(candidate: Candidate, every_k: int) -> list[bool | None]:
-  """Each call's ``apply`` in a window: the host's (True on the last call only), or None."""
-  if not candidate.host:
-    return [None] * every_k
-  return [False] * (every_k - 1) + [True]
-
-
 def build_row(
     candidate: Candidate, loss: Callable, params: Any, tokens: jax.Array, every_k: int
 ) -> tuple[Row, dict[str, Any]]:
-  """The row's step, the gradient of ``tokens`` and its update in one jit, compiled for
-  each ``apply`` it takes; and its entry: compile time (all programs), XLA's memory
-  (of the program that applies; a host row's micro-step beside it), the state's bytes
-  and buffers, and what a micro-step launches (``accum_jax.testing.kernel_counts``:
-  top-level fusions, copies, conditionals; ``leaf_copies``: the copies of more than a
-  scalar)."""
+  """The row's step (the gradient of ``tokens`` and the update, one jit) compiled for each
+  ``apply`` it takes; its entry: compile time, XLA's memory (of the program that
+  applies), the state's bytes and buffers, and what a micro-step launches
+  (``kernel_counts``; ``leaf_copies``: the copies of more than a scalar)."""
 
   def step(params, state, tokens, apply):
     return candidate.update(params, state, jax.grad(loss)(params, tokens), apply)
@@ -211,7 +180,8 @@ def build_row(
   jitted = jax.jit(step, static_argnames="apply", donate_argnums=(0, 1))
   own = jax.tree.map(jnp.copy, params)  # donated: each row its own copy
   state = jax.jit(candidate.init)(own)
-  applies = window_applies(candidate, every_k)
+  # Each call's apply in a window: the host's (True on the last call only), or None.
+  applies = [False] * (every_k - 1) + [True] if candidate.host else [None] * every_k
   programs, start = {}, time.perf_counter()
   for apply in dict.fromkeys(applies):  # False then True, or None
     programs[apply] = jitted.lower(own, state, tokens, apply=apply).compile()
@@ -240,12 +210,8 @@ def measure_rows(
     params: Any, loss: Callable, tokens: jax.Array, *, every_k: int, rounds: int,
     budget: Budget, names: Collection[str] | None = None,
 ) -> dict[str, dict[str, Any]]:
-  """Each row a window at a time, taking turns: micro-step, last call, window, compile.
-
-  Each call takes the gradient of ``tokens`` (one sequence) and updates, in one
-  jit, as users write a train step. ``names``: the rows to measure (None: all of
-  :func:`across_candidates`).
-  """
+  """The rows (``names``; None: all) a window at a time, taking turns, each call the
+  gradient of ``tokens`` and the update: micro-step, last call, window, compile."""
   results: dict[str, dict[str, Any]] = {}
   rows: dict[str, Row] = {}
   for name, candidate in across_candidates(every_k).items():
@@ -261,10 +227,9 @@ def measure_rows(
     except Exception as e:
       results[name] = {"status": report_failure(name, e)}
       rows.pop(name, None)
-  order = list(rows)
-  windows: dict[str, list[list[float]]] = {name: [] for name in order}
-  for r in range(rounds if order else 0):
-    for name in order[r % len(order):] + order[:r % len(order)]:
+  windows: dict[str, list[list[float]]] = {name: [] for name in rows}
+  for order in rotations(rows, rounds):
+    for name in order:
       windows[name].append(run_window(rows[name], tokens))
   for name, timed in windows.items():
     micro = [t for w in timed for t in w[:-1]]
@@ -276,17 +241,6 @@ def measure_rows(
         call_ms_samples=[[1e3 * t for t in w] for w in timed],
     )
   return results
-
-
-def micro_step_programs(params: Any, tokens: jax.Array, names: Collection[str],
-                        inner: optax.GradientTransformation | None = None) -> dict[str, Any]:
-  """The compiled program of a call that only accumulates, for each row of ``names``."""
-  candidates = across_candidates(EVERY_K, inner)
-  programs = {}
-  for name in names:
-    row, _ = build_row(candidates[name], loss_fn, params, tokens, EVERY_K)
-    programs[name] = row.programs[row.applies[0]]
-  return programs
 
 
 def table(results: dict[str, dict[str, Any]]) -> str:
@@ -316,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
   params = gpt2_tree()
   tokens = jax.random.randint(jax.random.key(1), (17,), 0, 128)
   results = measure_rows(params, loss_fn, tokens, every_k=EVERY_K, rounds=rounds,
-                                 budget=Budget(0))
+                         budget=Budget(0))
   report = {"environment": environment(), "commit": git_commit(), "rounds": rounds,
             "every_k": EVERY_K, "leaves": len(jax.tree.leaves(params)), "rows": results}
   print(f"GPT-2-shaped, {report['leaves']} bfloat16 leaves, width 64: gradient of one"

@@ -15,8 +15,7 @@ Measured: the peak memory of one step, each (method, N) in a fresh process
 (``_common.fresh_process_peak``: on a CPU the resident set's growth, on a GPU the
 allocator's peak), with XLA's ``memory_analysis()`` beside it, and on a CPU of several
 cores the scan and the door at N = 8 once more under each of ``CPU_CONDITIONS``; the
-step time, all (method, N) taking turns in this process; the compile time against N;
-and the issue's targets at N = 8.
+step time, all (method, N) taking turns in this process; and the compile time.
 
 Run from the repository root::
 
@@ -33,7 +32,6 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -46,7 +44,6 @@ from _common import (
     hand_written_scan,
     markdown_table,
     memory_analysis_dict,
-    plot_against_n,
     quartiles,
     time_interleaved,
     write_json,
@@ -59,47 +56,28 @@ SCAN = "lax.scan"
 OPTAX = "optax.microbatching"
 ACCUM = "accum_jax"
 MICROBATCHED = (SCAN, OPTAX, ACCUM)
-# Only at TARGET_N: accum_jax without its finiteness check, which the
-# hand-written scan does not make either.
+# At TARGET_N only: accum_jax without its finiteness check, which the hand-written scan
+# does not make either; and the scan and the door under each of CPU_CONDITIONS.
 ACCUM_NO_CHECK = "accum_jax on_nonfinite='unchecked'"
-
-# The issue's targets, at TARGET_N microbatches.
 TARGET_N = 8
-TARGET_MEMORY_VS_FULL = 0.25  # accum_jax peak <= 25% of the full batch's
-TARGET_MEMORY_VS_SCAN = 1.00  # and no more than the hand-written scan's
-TARGET_TIME_VS_SCAN = 1.10  # step time within 10% of the hand-written scan's
-TARGET_TIME_VS_OPTAX = 1.0  # and no slower than optax.microbatching
-
-DOCS_PLOT = Path(__file__).resolve().parent.parent / "docs" / "microbatch.png"
 _MIB = 2**20
 
 
 # The model: num_layers ReLU layers of width x width, a linear head, MSE.
 
 
-def _shapes(batch_size: int, width: int, num_layers: int) -> tuple[Any, Any]:
-  layers = [{"w": (width, width), "b": (width,)} for _ in range(num_layers)]
-  params = [*layers, {"w": (width, 1), "b": (1,)}]
-  return params, {"x": (batch_size, width), "y": (batch_size, 1)}
-
-
-def _is_shape(x: Any) -> bool:
-  return isinstance(x, tuple) and all(isinstance(d, int) for d in x)
-
-
 def make_inputs(batch_size: int, width: int, num_layers: int, seed: int = 0):
   """Parameters and batch on the device, made with NumPy (no eager jax op, no temporary)."""
   rng = np.random.default_rng(seed)
 
-  def fill(path, shape):
-    if jax.tree_util.keystr(path).endswith("['b']"):
-      return np.zeros(shape, np.float32)
-    scale = shape[0] ** -0.5 if jax.tree_util.keystr(path).endswith("['w']") else 1.0
+  def normal(*shape, scale=1.0):
     return (scale * rng.standard_normal(shape)).astype(np.float32)
 
-  params, batch = jax.tree.map_with_path(
-      fill, _shapes(batch_size, width, num_layers), is_leaf=_is_shape
-  )
+  def dense(n_in, n_out):
+    return {"w": normal(n_in, n_out, scale=n_in**-0.5), "b": np.zeros(n_out, np.float32)}
+
+  params = [dense(width, width) for _ in range(num_layers)] + [dense(width, 1)]
+  batch = {"x": normal(batch_size, width), "y": normal(batch_size, 1)}
   return jax.device_put(params), jax.device_put(batch)
 
 
@@ -195,14 +173,8 @@ def measure_conditions(model: dict[str, int]) -> dict[tuple[str, int], dict[str,
 # Time and compile, in this process.
 
 
-def measure_time(
-    configs: list[tuple[str, int]],
-    model: dict[str, int],
-    *,
-    rounds: int,
-    warmup: int,
-    compile_repeats: int,
-) -> dict[tuple[str, int], dict[str, Any]]:
+def measure_time(configs: list[tuple[str, int]], model: dict[str, int], *, rounds: int,
+                 warmup: int, compile_repeats: int) -> dict[tuple[str, int], dict[str, Any]]:
   params, batch = make_inputs(model["batch_size"], model["width"], model["num_layers"])
   results: dict[tuple[str, int], dict[str, Any]] = {c: {"compile_s": []} for c in configs}
   compiled = {}
@@ -239,32 +211,7 @@ def measure_time(
 # Report.
 
 
-def _targets(rows: dict[tuple[str, int], dict[str, Any]], n: int) -> list[dict[str, Any]]:
-  if (ACCUM, n) not in rows:
-    return []
-  accum, scan, optax_, full = rows[ACCUM, n], rows[SCAN, n], rows[OPTAX, n], rows[FULL, 1]
-
-  def check(name, measured, limit):
-    return {"target": name, "limit": limit, "measured": measured, "met": measured <= limit}
-
-  return [
-      check(f"peak memory N={n} / full batch", accum["peak_bytes"] / full["peak_bytes"],
-            TARGET_MEMORY_VS_FULL),
-      check(f"peak memory N={n} / lax.scan", accum["peak_bytes"] / scan["peak_bytes"],
-            TARGET_MEMORY_VS_SCAN),
-      *[check(f"peak memory N={n} / lax.scan, {name}",
-              accum["peak_bytes_under"][name] / scan["peak_bytes_under"][name],
-              TARGET_MEMORY_VS_SCAN) for name in accum.get("peak_bytes_under", {})],
-      check(f"step time N={n} / lax.scan", accum["step_ms"] / scan["step_ms"],
-            TARGET_TIME_VS_SCAN),
-      check(f"step time N={n} / optax.microbatching", accum["step_ms"] / optax_["step_ms"],
-            TARGET_TIME_VS_OPTAX),
-  ]
-
-
-def report(config: dict[str, Any], rows: dict[tuple[str, int], dict[str, Any]],
-           targets: list[dict[str, Any]]) -> None:
-  on_gpu = config["platform"] == "gpu"
+def report(config: dict[str, Any], rows: dict[tuple[str, int], dict[str, Any]]) -> None:
   full, scan_by_n = rows[FULL, 1], {n: rows[SCAN, n] for n in config["ns"]}
   headers = ["method", "N", "peak step MiB", "vs full", "vs lax.scan", "XLA temp MiB",
              "step ms", "vs lax.scan", "compile s", "max |grad diff|"]
@@ -284,15 +231,12 @@ def report(config: dict[str, Any], rows: dict[tuple[str, int], dict[str, Any]],
         f"{r['max_abs_grad_diff']:.1e}",
     ])
   env = config["environment"]
-  print(
-      f"MLP: {config['num_layers']} x ReLU({config['width']}x{config['width']}) + head,"
-      f" batch {config['batch_size']}; {env['backend']} ({env['devices'][0]}),"
-      f" {env['cpu_count']} CPUs, load average at start {env['load_average']};"
-      f" {config['rounds']} timed rounds (median), interleaved"
-  )
-  how = rows[FULL, 1]["memory"]["method"]
-  print(f"peak step memory: fresh process per row, {how}")
-  if not on_gpu:
+  print(f"MLP: {config['num_layers']} x ReLU({config['width']}x{config['width']}) + head,"
+        f" batch {config['batch_size']}; {env['backend']} ({env['devices'][0]}),"
+        f" {env['cpu_count']} CPUs, load average at start {env['load_average']};"
+        f" {config['rounds']} timed rounds (median), interleaved\npeak step memory: fresh"
+        f" process per row, {rows[FULL, 1]['memory']['method']}")
+  if config["platform"] != "gpu":
     print("on CPU, compare ratios: absolute times depend on the load from other processes")
   print()
   print(markdown_table(headers, table))
@@ -302,55 +246,6 @@ def report(config: dict[str, Any], rows: dict[tuple[str, int], dict[str, Any]],
         f"{m} N={r['num_microbatches']} {r['peak_bytes_under'][name] / _MIB:.1f}"
         f" ({r['memory_under'][name]['xla'].get('temp_bytes', float('nan')) / _MIB:.1f})"
         for m, r in under))
-
-  print()
-  accum_ns = [n for n in config["ns"] if (ACCUM, n) in rows]
-  base = rows[ACCUM, accum_ns[0]]["compile_s_median"]
-  print(markdown_table(
-      ["accum_jax N", "compile s (median)", f"vs N={accum_ns[0]}"],
-      [[n, f"{rows[ACCUM, n]['compile_s_median']:.3f}",
-        f"{rows[ACCUM, n]['compile_s_median'] / base:.2f}"] for n in accum_ns],
-  ))
-
-  if targets:
-    print()
-    print(markdown_table(
-        ["target (accum_jax)", "limit", "measured", "met"],
-        [[t["target"], f"<= {t['limit']:.2f}", f"{t['measured']:.3f}",
-          "yes" if t["met"] else "NO"] for t in targets],
-    ))
-
-
-def plot(config: dict[str, Any], rows: dict[tuple[str, int], dict[str, Any]], name: str,
-         copy_to: Path | None) -> list[Path]:
-  """Peak memory and step time against N, the full batch a line across."""
-  ns, full = config["ns"], rows[FULL, 1]
-  styles = {SCAN: ("tab:blue", "o", "-"), OPTAX: ("tab:orange", "s", "-"),
-            ACCUM: ("tab:green", "^", "--")}
-
-  def panel(key, scale, ylabel, title):
-    def extra(ax):
-      ax.axhline(full[key] * scale, color="gray", linestyle=":", label=f"{FULL} (no N)")
-      ax.set_ylim(bottom=0)
-      for method, (color, _, _) in styles.items():
-        if key == "step_ms":  # the spread of the timed calls: first to third quartile
-          low, high = zip(*(rows[method, n]["step_ms_p25_p75"] for n in ns))
-          ax.fill_between(ns, low, high, color=color, alpha=0.15, linewidth=0)
-
-    lines = {m: ([rows[m, n][key] * scale for n in ns], style) for m, style in styles.items()}
-    return ylabel, title, lines, extra
-
-  how = "device peak_bytes_in_use" if config["platform"] == "gpu" else "resident-set growth"
-  env = config["environment"]
-  where = (f"{env['backend']} ({env['cpu_count']} CPUs)" if env["backend"] == "cpu"
-           else env["devices"][0])
-  return plot_against_n(ns, [
-      panel("peak_bytes", 1 / _MIB, "peak step memory (MiB)",
-            f"peak memory of one step ({how}, fresh process)"),
-      panel("step_ms", 1.0, "step time (ms, median)",
-            "time of one step (median and quartiles, interleaved)"),
-  ], f"{config['num_layers']} x {config['width']}-wide ReLU MLP, batch"
-     f" {config['batch_size']}, {where}", name, copy_to=copy_to)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -370,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
                       help="memory workers at once (memory is per process; default 2)")
   parser.add_argument("--quick", action="store_true",
                       help="smoke run: batch 512, width 64, 2 layers, N in 1 and 8")
-  parser.add_argument("--name", default=None, help="results bench/results/<name>.json/.png"
+  parser.add_argument("--name", default=None, help="results bench/results/<name>.json"
                       " (default: microbatch, or microbatch_quick with --quick)")
   args = parser.parse_args(argv)
   if args.quick:
@@ -401,33 +296,21 @@ def main(argv: list[str] | None = None) -> int:
       rows[c].update(
           peak_bytes_under={name: r["step_peak_bytes"] for name, r in under[c].items()},
           memory_under=under[c])
-  targets = _targets(rows, TARGET_N)
   config = {
-      **model,
-      "ns": args.ns,
-      "rounds": args.rounds,
-      "warmup": args.warmup,
+      **model, "ns": args.ns, "rounds": args.rounds, "warmup": args.warmup,
       "compile_repeats": args.compile_repeats,
       "param_bytes": 4 * (args.num_layers * (args.width + 1) * args.width + args.width + 1),
       "batch_bytes": args.batch_size * (args.width + 1) * 4,
-      "platform": jax.devices()[0].platform,
-      "quick": args.quick,
-      "command": " ".join(sys.argv),
-      "environment": environment(),
-      "memory_seconds": memory_seconds,
+      "platform": jax.devices()[0].platform, "quick": args.quick, "command": " ".join(sys.argv),
+      "environment": environment(), "memory_seconds": memory_seconds,
   }
   config["total_seconds"] = time.perf_counter() - start
   config["load_average_end"] = environment()["load_average"]
-  report(config, rows, targets)
+  report(config, rows)
 
-  path = write_json(name, {
-      "config": config,
-      "results": [{"label": label(*c), **r} for c, r in rows.items()],
-      "targets": targets,
-  })
-  written = [path, *plot(config, rows, name,
-                         DOCS_PLOT if not args.quick and args.name is None else None)]
-  print(f"\nwrote {', '.join(str(p) for p in written)} in {config['total_seconds']:.0f} s")
+  path = write_json(name, {"config": config,
+                           "results": [{"label": label(*c), **r} for c, r in rows.items()]})
+  print(f"\nwrote {path} in {config['total_seconds']:.0f} s")
   return 0
 
 

@@ -1,22 +1,18 @@
 """Sharded parameters: per-device memory, collectives and step time against N.
 
-On 8 CPU devices (``--xla_force_host_platform_device_count=8``, set before jax is
-imported), a tanh MLP (``--activation relu`` for ReLU) of 4 float32 weights of 1024 x
-1024, MSE, a batch of 256 rows sharded over the data axes. For each N, side by side:
-the hand-written scan (under ``jax.jit``, microbatch ``i`` rows ``i, i + N, ...``, the
-gradient carry constrained to the parameters' shardings: the reference of every ratio),
-the same with the model's activations constrained, a hand-written ``shard_map``
-(``all_gather`` of the shards, ``psum_scatter`` of each microbatch's gradient), and
+On 8 CPU devices (set before jax is imported), a tanh MLP (``--activation relu``) of 4
+float32 weights of 1024 x 1024 and a batch of 256 rows sharded over the data axes, for
+each N side by side: the hand-written scan (microbatch ``i`` rows ``i, i + N, ...``, the
+gradient carry constrained to the parameters' shardings: the reference), the same with
+the activations constrained, a hand-written ``shard_map`` (``psum_scatter``), and
 ``accum_jax.value_and_grad`` with ``DataParallel(mesh, param_sharding=...)``, with
 ``gather="once"``, without ``param_sharding``, without a mesh (``split="strided"``) and
-with replicated parameters. Layouts: FSDP on a mesh of 8 for every N; at ``--layout-n``
-also HSDP (replica 2, fsdp 4) and FSDP x tensor (data 4, model 2).
-
-Per device: ``compiled.memory_analysis()``, the while loop's carry (what it updates: the
-accumulator), the collectives (``accum_jax.testing.collectives``) per microbatch and
-outside the loop with the bytes a ring sends, the step time (interleaved rounds), and
-the gradient's deviation from the one-device full batch. ``loop_carry`` and
-``explicit_groups`` are also read by tests/test_cost_model.py.
+with replicated parameters; FSDP on 8 devices for every N, and at ``--layout-n`` HSDP
+(replica 2, fsdp 4) and FSDP x tensor (data 4, model 2). Per device: XLA's
+``memory_analysis()``, the while loop's carry (what it updates: the accumulator), the
+collectives per microbatch and outside the loop with the bytes a ring sends, the step
+time (interleaved rounds), and the gradient's deviation from one device's.
+``loop_carry`` and ``explicit_groups`` are read by tests/test_cost_model.py too.
 
 Run from the repository root::
 
@@ -42,7 +38,6 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import jax
@@ -53,7 +48,6 @@ from _common import (
     environment,
     markdown_table,
     memory_analysis_dict,
-    plot_against_n,
     quartiles,
     time_interleaved,
     write_json,
@@ -75,13 +69,17 @@ DP = "accum_jax, replicated parameters"
 METHODS = (HAND, HAND_ACT, SHARD_MAP, FSDP, ONCE, AUTO, STRIDED, DP)
 LAYOUT_METHODS = (HAND, HAND_ACT, SHARD_MAP, FSDP, ONCE)  # for HSDP and FSDP x tensor
 
-# name -> (mesh shape, mesh axes, data axes)
-LAYOUTS: dict[str, tuple[tuple[int, ...], tuple[str, ...], tuple[str, ...]]] = {
-    "fsdp": ((8,), ("data",), ("data",)),
-    "hsdp": ((2, 4), ("replica", "fsdp"), ("replica", "fsdp")),
-    "fsdp x tensor": ((4, 2), ("data", "model"), ("data",)),
+# name -> (mesh shape, mesh axes, data axes, weight i's spec, and the spec a
+# sharding-aware model gives its activations after layer i: rows over the data axes,
+# features over the tensor axis after a column split).
+LAYOUTS: dict[str, tuple[tuple[int, ...], tuple[str, ...], tuple[str, ...], Any, Any]] = {
+    "fsdp": ((8,), ("data",), ("data",), lambda i: P("data", None), lambda i: P("data", None)),
+    "hsdp": ((2, 4), ("replica", "fsdp"), ("replica", "fsdp"), lambda i: P("fsdp", None),
+             lambda i: P(("replica", "fsdp"), None)),
+    "fsdp x tensor": ((4, 2), ("data", "model"), ("data",),
+                      lambda i: P("data", "model") if i % 2 == 0 else P("model", "data"),
+                      lambda i: P("data", "model") if i % 2 == 0 else P("data", None)),
 }
-DOCS_PLOT = Path(__file__).resolve().parent.parent / "docs" / "sharded.png"
 _MIB = 2**20
 _KINDS = {"all-reduce": "AR", "reduce-scatter": "RS", "all-gather": "AG", "all-to-all": "A2A",
           "collective-permute": "CP"}
@@ -98,26 +96,6 @@ class Problem(NamedTuple):
   sharded: tuple[Any, Any]  # (parameters, batch), placed
   replicated: tuple[Any, Any]  # the parameters replicated, the batch as above
   reference: Any  # (value, grads) of the full batch on one device
-
-
-def weight_specs(layout: str, num_layers: int) -> dict[str, P]:
-  """Each weight's ``PartitionSpec`` in ``layout``."""
-  def spec(i):
-    if layout == "hsdp":
-      return P("fsdp", None)
-    if layout == "fsdp x tensor":
-      return P("data", "model") if i % 2 == 0 else P("model", "data")
-    return P("data", None)
-  return {f"w{i}": spec(i) for i in range(num_layers)}
-
-
-def activation_spec(layout: str, data_axes: tuple[str, ...]) -> Callable[[int], P]:
-  """The spec a sharding-aware model gives its activations after layer ``i``: rows
-  over the data axes (and features over the tensor axis after a column split)."""
-  rows = data_axes[0] if len(data_axes) == 1 else data_axes
-  if layout == "fsdp x tensor":
-    return lambda i: P(rows, "model") if i % 2 == 0 else P(rows, None)
-  return lambda i: P(rows, None)
 
 
 # The hidden layers' nonlinearity (--activation). It changes the hand-written scan's
@@ -141,15 +119,14 @@ def loss_fn(params: Any, batch: Any, act: Callable[[int], Any] | None = None) ->
 
 
 def make_problem(layout: str, width: int, num_layers: int, batch_size: int) -> Problem:
-  shape, names, data_axes = LAYOUTS[layout]
+  shape, names, data_axes, weight_spec, act_spec = LAYOUTS[layout]
   mesh = jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(names))
   rng = np.random.default_rng(0)
   params = {f"w{i}": (rng.standard_normal((width, width)) / np.sqrt(width)).astype(np.float32)
             for i in range(num_layers)}
   batch = {"x": rng.standard_normal((batch_size, width)).astype(np.float32),
            "y": rng.standard_normal((batch_size, width)).astype(np.float32)}
-  specs = weight_specs(layout, num_layers)
-  act_spec = activation_spec(layout, data_axes)
+  specs = {f"w{i}": weight_spec(i) for i in range(num_layers)}
   placed_batch = jax.device_put(batch, NamedSharding(mesh, P(data_axes)))
   sharded = jax.device_put(params, {k: NamedSharding(mesh, s) for k, s in specs.items()})
   replicated = jax.device_put(params, NamedSharding(mesh, P()))
@@ -165,11 +142,10 @@ def make_problem(layout: str, width: int, num_layers: int, batch_size: int) -> P
 def hand_written_scan(
     problem: Problem, n: int, constrain_activations: bool = False
 ) -> Callable[..., Any]:
-  """A ``lax.scan`` under ``jax.jit`` with the gradient carry constrained to the
-  parameters' shardings: the sharded accumulation MaxText and Levanter write.
-  ``constrain_activations``: the model also constrains its activations (rows over
-  the data axes), as a sharding-aware model does; XLA then partitions the
-  gradient's reduction differently (a whole-gradient all-reduce on the CPU)."""
+  """The sharded accumulation MaxText and Levanter write: a ``lax.scan`` under ``jax.jit``,
+  the gradient carry constrained to the parameters' shardings; ``constrain_activations``:
+  the model's activations' rows constrained to the data axes too, as a sharding-aware
+  model does (XLA then all-reduces each microbatch's whole gradient on the CPU)."""
   act = problem.act if constrain_activations else None
   mesh = problem.mesh
   shardings = {k: NamedSharding(mesh, s) for k, s in problem.specs.items()}
@@ -355,14 +331,12 @@ _MESH_GROUPS = re.compile(
 
 
 def explicit_groups(hlo_text: str) -> str:
-  """``hlo_text`` with replica groups written as ``mesh[...], device_ids=(...) {...}``
-  spelt out as lists of device ids.
-
-  ``accum_jax.testing.collectives`` (as of this writing) reads the ``mesh[...]
-  {...}`` form only without ``device_ids``, and takes a collective it cannot read
-  as a group of one that sends nothing; XLA writes this form for the hand-written
-  scan on the HSDP mesh. ``tests/test_cost_model.py`` holds the failing case.
+  """``hlo_text`` with its ``replica_groups=mesh[...], device_ids=(...) {...}`` spelt out
+  as lists of device ids: ``accum_jax.testing.collectives`` reads the ``mesh[...]`` form
+  only without ``device_ids`` (XLA writes it for the scan on the HSDP mesh), and takes a
+  collective it cannot read for a group of one; tests/test_cost_model.py holds the case.
   """
+
   def spelt_out(m: re.Match[str]) -> str:
     sizes = [(a, int(s)) for a, s in re.findall(r"'([^']+)'=(\d+)", m.group("axes"))]
     ids = np.arange(int(np.prod([int(d) for d in m.group("dims").split(",")])))
@@ -424,14 +398,11 @@ def measure(method: str, problem: Problem, n: int) -> tuple[dict[str, Any], Call
   carry = loop_carry(text)
   record = {
       "layout": problem.layout, "method": method, "num_microbatches": n,
-      "memory_analysis": memory,
+      "memory_analysis": memory, "argument_bytes": memory["argument_bytes"],
       "temp_output_bytes": memory["temp_bytes"] + memory["output_bytes"],
-      "argument_bytes": memory["argument_bytes"],
-      "carry": carry._asdict() if carry else None,
+      "carry": carry._asdict() if carry else None, "compile_seconds": compile_seconds,
       "collectives": summarise_collectives(collectives(explicit_groups(text), problem.mesh), n),
-      "compile_seconds": compile_seconds,
-      "deviation": relative_deviation(compiled(*args), problem.reference),
-  }
+      "deviation": relative_deviation(compiled(*args), problem.reference)}
   return record, lambda: compiled(*args)
 
 
@@ -461,41 +432,13 @@ def report(records, seconds, samples) -> None:
       ])
     if not rows:
       continue
-    shape, names, _ = LAYOUTS[layout]
+    shape, names = LAYOUTS[layout][:2]
     print(f"\n{layout}: mesh {dict(zip(names, shape))}; per device; MiB")
     print(markdown_table(
         ["N", "method", "temp + output", "vs hand-written scan", "arguments",
          "accumulator (loop carry)", "collectives per microbatch", "sent per microbatch",
          "outside the loop", "sent per step", "step ms (median [q1, q3])",
-         "time vs hand-written scan", "max grad deviation"],
-        rows,
-    ))
-
-
-def plot(config: dict[str, Any], records: dict[tuple[str, str, int], dict[str, Any]], name: str,
-         copy_to: Path | None) -> list[Path]:
-  """FSDP: per-device memory and bytes sent per step against N, a line per method."""
-  ns = config["ns"]
-  styles = {HAND: ("black", "o", "-"), HAND_ACT: ("dimgray", "o", "--"),
-            SHARD_MAP: ("gray", "x", ":"),
-            FSDP: ("tab:green", "^", "-"), ONCE: ("tab:olive", "v", "--"),
-            AUTO: ("tab:red", "s", "--"), STRIDED: ("tab:purple", "D", ":"),
-            DP: ("tab:blue", "P", "-.")}
-
-  def lines(value):
-    return {m: ([value(records["fsdp", m, n]) / _MIB for n in ns], s) for m, s in styles.items()}
-
-  return plot_against_n(ns, [
-      ("per-device temp + output + arguments (MiB)",
-       "memory of one step (compiled memory_analysis)",
-       lines(lambda r: r["temp_output_bytes"] + r["argument_bytes"]),
-       lambda ax: ax.set_ylim(bottom=0)),
-      ("per-device MiB sent per step (ring)", "bytes each device sends (collectives in the HLO)",
-       lines(lambda r: r["collectives"]["per_step_bytes"]),
-       lambda ax: ax.set_yscale("log", base=2)),
-  ], f"{config['num_layers']} x {config['width']}^2 float32 weights sharded P('data', None)"
-     f" over 8 CPU devices (replicated for the data-parallel line), batch"
-     f" {config['batch_size']}", name, copy_to=copy_to, figsize=(11, 4.2))
+         "time vs hand-written scan", "max grad deviation"], rows))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -510,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--rounds", type=int, default=7, help="timed calls of each (median)")
   parser.add_argument("--quick", action="store_true",
                       help="smoke run: width 128, 2 layers, batch 64, N in 1 and 4, 2 rounds")
-  parser.add_argument("--name", default=None, help="results bench/results/<name>.json/.png"
+  parser.add_argument("--name", default=None, help="results bench/results/<name>.json"
                       " (default: sharded, or sharded_quick with --quick)")
   args = parser.parse_args(argv)
   global activation
@@ -546,22 +489,15 @@ def main(argv: list[str] | None = None) -> int:
   config = {
       "width": args.width, "num_layers": args.num_layers, "batch_size": args.batch_size,
       "ns": args.ns, "layout_n": args.layout_n, "rounds": args.rounds, "quick": args.quick,
-      "activation": args.activation,
-      "param_bytes": param_bytes, "command": " ".join(sys.argv),
+      "activation": args.activation, "param_bytes": param_bytes, "command": " ".join(sys.argv),
       "environment": environment(), "compile_seconds": compile_seconds,
-      "total_seconds": time.perf_counter() - start,
-  }
+      "total_seconds": time.perf_counter() - start}
   print(f"{args.num_layers} x {args.width} x {args.width} float32 weights"
         f" ({param_bytes / _MIB:.0f} MiB), batch {args.batch_size}; 8 CPU devices;"
         f" {args.rounds} interleaved rounds; {config['total_seconds']:.0f} s")
   report(records, seconds, samples)
-  path = write_json(name, {
-      "config": config,
-      "results": list(records.values()),
-  })
-  full = not args.quick and args.name is None and args.activation == "tanh"
-  written = [path, *plot(config, records, name, DOCS_PLOT if full else None)]
-  print(f"\nwrote {', '.join(str(p) for p in written)}")
+  path = write_json(name, {"config": config, "results": list(records.values())})
+  print(f"\nwrote {path}")
   return 0
 
 

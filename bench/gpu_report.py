@@ -1,12 +1,9 @@
 """bench_gpu.py's report: both doors in one table, an earlier run beside it, the goals.
 
-A run's JSON, of this script's version or an earlier one, is read as records
-(door, case, row, reference row, time, compile time, static memory); each record's
-ratios are to its reference's figures in the same run: inside a step to the
-hand-written scan's; across calls, a micro-step to the interface's floor's and a
-window to MultiSteps'; the training loop's time per window of 8 microbatches to
-the hand-written loop's of its door (``bench_loop.REFERENCE``). :func:`goals` picks
-the headline figures.
+A run's JSON is read as records (door, case, row, reference row, time, compile time,
+static memory), each with ratios to its reference's figures in the same run: the scan's
+inside a step; the interface's floor's (micro-steps) and MultiSteps' (windows) across
+calls; its door's floor's in the training loop (``bench_loop.REFERENCE``).
 """
 
 from __future__ import annotations
@@ -26,13 +23,7 @@ MICRO_STEP, WINDOW = "micro-step + gradient", "window of 8 + gradient"
 # Across calls, the gradient in the same jit: each case's figure and the row its ratios
 # are to (every Optax transformation is handed its whole state: the interface's floor).
 ACROSS_CASES = {MICRO_STEP: ("micro_step_ms", FLOOR), WINDOW: ("window_ms", MULTISTEPS_ADAMW)}
-# Earlier JSON, each call handed a fixed gradient ("standalone", and the full run's
-# across_calls): micro-steps against the hand-written conditional of then.
-STANDALONE_CASES = {
-    "micro-step": ("micro_step_ms", "floor: hand-written lax.cond(emit, adamw, skip)"),
-    "window of 8": ("window_ms", MULTISTEPS_ADAMW),
-}
-LEGACY_ROWS = {ACCUM: DEFAULT}  # the full run's (and earlier JSON's) name of the default
+LEGACY_ROWS = {ACCUM: DEFAULT}  # earlier JSON's name of the default
 # The training loop, per door: its time per 8 microbatches, at the median samples/s.
 LOOP_CASES = {ACROSS: "the loop, window of 8", INSIDE: "the loop, batch of 8"}
 
@@ -48,18 +39,17 @@ def _record(door: str, case: str, row: str, ref: str, entry: dict[str, Any],
 
 
 def records_of(output: dict[str, Any]) -> list[dict[str, Any]]:
-  """The rows of the one table, from a run's JSON, this script's of any version."""
+  """The rows of the one table, from a run's JSON (earlier versions': those inside a step,
+  across calls with the gradient in the same jit, and the loop)."""
   records = []
   for row in output.get("results", []):
     case = f"{row['num_microbatches']}x{row['micro']}"
     for method, entry in row.get("methods", {}).items():
       records.append(_record(INSIDE, case, LEGACY_ROWS.get(method, method), SCAN, entry,
                              "step_ms"))
-  for form, results in (output.get("quick_across") or {}).items():
-    cases = STANDALONE_CASES if form == "standalone" else ACROSS_CASES
-    for name, entry in results.items():
-      for case, (key, ref) in cases.items():
-        records.append(_record(ACROSS, case, name, ref, entry, key))
+  for name, entry in ((output.get("quick_across") or {}).get("combined") or {}).items():
+    for case, (key, ref) in ACROSS_CASES.items():
+      records.append(_record(ACROSS, case, name, ref, entry, key))
   for name, entry in (output.get("loop") or {}).items():
     for door in bench_loop.doors(name):
       record = _record(door, LOOP_CASES[door], name, bench_loop.REFERENCE[door], entry,
@@ -68,13 +58,6 @@ def records_of(output: dict[str, Any]) -> list[dict[str, Any]]:
       # Samples per second against the reference's: the median of the rounds' ratios.
       record["rate_ratio"] = (entry.get("ratio") or {}).get(door)
       records.append(record)
-  # Earlier full runs: accumulate (the device schedule) against MultiSteps, a fixed gradient.
-  for entry in output.get("across_calls") or []:
-    if entry.get("status") != "ok" or entry["every_k"] != 8:
-      continue
-    for name, row in ((ACCUM, DEVICE), ("optax.MultiSteps", MULTISTEPS_ADAMW)):
-      for case, (key, ref) in STANDALONE_CASES.items():
-        records.append(_record(ACROSS, case, row, ref, {"status": "ok", **entry[name]}, key))
   return records
 
 

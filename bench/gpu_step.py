@@ -1,20 +1,13 @@
 """Inside one step: the ways of taking a batch's gradient, timed, compiled and checked;
 and the largest batch that fits.
 
-Each way takes a loss and a number of microbatches N and returns a function of
-``(params, tokens)`` returning ``(loss, grads)`` for a batch of N x micro sequences,
-with no optimizer update:
-
-- ``lax.scan``: the hand-written loop (``_common.hand_written_scan``), the reference;
-- ``accum_jax.value_and_grad(loss_fn, N)``: by default (``accum_jax`` in the full
-  run, ``default`` in ``--quick``), and in ``--quick`` also with
-  ``on_nonfinite="skip_microbatch"`` and ``on_nonfinite="unchecked"``;
-- ``full batch``: ``jax.value_and_grad(loss_fn)`` of all the sequences at once.
-
-For each (N, micro): every way compiled (its compile time and XLA's static
-``memory_analysis()``), run once and checked against the scan (:func:`compare`), then
-timed, the ways taking turns in rounds (``_common.time_interleaved``), median. A way
-that runs out of memory is recorded as OOM and the others go on.
+Each way turns a loss and N into ``value_and_grad(params, tokens)`` for N x micro
+sequences: the hand-written scan (the reference), ``accum_jax.value_and_grad`` by
+default, with ``on_nonfinite="skip_microbatch"`` and with ``"unchecked"``, and the full
+batch. Per (N, micro), after a warm-up compile of one microbatch's gradient per
+microbatch size (the process's one-time set-up and a shape's first kernel tuning fall
+on no way): each compiled, run once and checked against the scan, then timed in
+interleaved rounds; one that runs out of memory is recorded OOM and the others go on.
 """
 
 from __future__ import annotations
@@ -40,50 +33,29 @@ from models import Config, make_tokens
 
 import accum_jax
 
-FULL = "full batch"
 SCAN = "lax.scan"
-ACCUM = "accum_jax"
-# --quick's names for the door's three ways of judging non-finite data.
 DEFAULT = "default"
 MICROBATCH = "on_nonfinite='skip_microbatch'"
 NO_SKIP = "on_nonfinite='unchecked'"
+FULL = "full batch"
+ACCUM = "accum_jax"  # the default, in the fit section
+CHECKED = (DEFAULT, MICROBATCH, NO_SKIP)  # against the scan
+# The scan first: the reference of every ratio.
+METHODS: dict[str, Callable[[Callable, int], Callable]] = {
+    SCAN: hand_written_scan,
+    DEFAULT: lambda loss, n: accum_jax.value_and_grad(loss, n),
+    MICROBATCH: lambda loss, n: accum_jax.value_and_grad(loss, n, on_nonfinite="skip_microbatch"),
+    NO_SKIP: lambda loss, n: accum_jax.value_and_grad(loss, n, on_nonfinite="unchecked"),
+    FULL: lambda loss, n: jax.value_and_grad(loss),
+}
+QUICK_PAIRS = ((8, 1), (8, 4), (16, 1))  # --quick's N x micro
 
-# accum_jax against the hand-written scan: both sum the same bfloat16 microbatch
+# The door against the hand-written scan: both sum the same bfloat16 microbatch
 # gradients in float32 and cast the mean to bfloat16, so they differ by the rounding
 # of that cast and the order of the sums: a few bfloat16 ulps (2**-8 relative) of a
 # leaf's largest entry at most.
 GRAD_RTOL = 2e-2
 LOSS_RTOL = 1e-4  # the loss is float32 on both sides
-
-
-def full_batch(loss: Callable, num_microbatches: int) -> Callable:
-  del num_microbatches
-  return jax.value_and_grad(loss)
-
-
-METHODS: dict[str, Callable[[Callable, int], Callable]] = {
-    ACCUM: lambda loss, n: accum_jax.value_and_grad(loss, n),
-    SCAN: hand_written_scan,
-    FULL: full_batch,
-}
-# --quick: the scan first (the reference), the door's three ways of judging non-finite
-# data, the full batch.
-QUICK_METHODS: dict[str, Callable[[Callable, int], Callable]] = {
-    SCAN: hand_written_scan,
-    DEFAULT: METHODS[ACCUM],
-    MICROBATCH: lambda loss, n: accum_jax.value_and_grad(loss, n, on_nonfinite="skip_microbatch"),
-    NO_SKIP: lambda loss, n: accum_jax.value_and_grad(loss, n, on_nonfinite="unchecked"),
-    FULL: full_batch,
-}
-# --quick: the (N, micro) pairs.
-QUICK_PAIRS = ((8, 1), (8, 4), (16, 1))
-
-
-def step_configurations(ns: list[int], micros: list[int], max_batch: int):
-  """The (N, micro) pairs with N x micro <= max_batch, smallest batch first; and the rest."""
-  pairs = [(n, m) for n in ns for m in micros]
-  kept = sorted((p for p in pairs if p[0] * p[1] <= max_batch), key=lambda p: (p[0] * p[1], p))
-  return kept, [p for p in pairs if p[0] * p[1] > max_batch]
 
 
 def compile_timed(fn: Callable, *args: Any) -> tuple[Any, float]:
@@ -117,20 +89,10 @@ def compare(out: tuple[Any, Any], reference: tuple[Any, Any], *,
 def measure_steps(
     pairs: list[tuple[int, int]], loss: Callable, params: Any, config: Config, *,
     rounds: int, budget: Budget, on_group: Callable[[], None],
-    methods: dict[str, Callable[[Callable, int], Callable]] | None = None,
-    warmup_compile: bool = False,
 ) -> dict[tuple[int, int], dict[str, Any]]:
-  """Per (N, micro): each method compiled once, run once (compared), then timed in turns.
-
-  ``methods`` (default :data:`METHODS`): each one other than the scan and the full
-  batch is checked against the scan; the first of them is ``exact``, all are in
-  ``checks``. ``warmup_compile``: before the first pair of each microbatch size, the
-  gradient of one microbatch is compiled and thrown away, so that no method's compile
-  time holds the process's one-time initialisation or the first tuning of that
-  shape's kernels.
-  """
-  methods = METHODS if methods is None else methods
-  full_steps: dict[int, tuple[Any, dict[str, Any]]] = {}  # by batch size: compiled once
+  """Per (N, micro): each way compiled (the full batch once per batch size), run once and
+  checked, then timed in turns; ``on_group()`` after each (N, micro)."""
+  full_steps: dict[int, tuple[Any, dict[str, Any]]] = {}  # by batch size
   warmed: set[int] = set()
   rows: dict[tuple[int, int], dict[str, Any]] = {}
   for n, micro in pairs:
@@ -142,11 +104,34 @@ def measure_steps(
       continue
     print(f"  N={n} micro={micro} (batch {batch})", flush=True)
     tokens = make_tokens(batch, config, seed=batch)
-    if warmup_compile and micro not in warmed:
+    if micro not in warmed:
       compile_timed(jax.value_and_grad(loss), params, tokens[:micro])
       warmed.add(micro)
-    compiled, outputs = _run_methods(row, methods, loss, params, tokens, full_steps)
-    _check(row, outputs, [m for m in methods if m not in (SCAN, FULL)])
+    compiled, outputs = {}, {}
+    for method, make in METHODS.items():
+      if method == FULL and batch in full_steps:  # compiled for an earlier row
+        step, entry = full_steps[batch][0], dict(full_steps[batch][1])
+      else:
+        try:
+          step, seconds = compile_timed(make(loss, n), params, tokens)
+          entry = {"compile_s": seconds, "xla": memory_analysis_dict(step)}
+        except Exception as e:
+          step, entry = None, {"status": report_failure(method, e)}
+      if step is not None:
+        try:
+          outputs[method], compiled[method] = jax.block_until_ready(step(params, tokens)), step
+          entry.setdefault("status", "ok")
+        except Exception as e:
+          step, entry["status"] = None, report_failure(method, e)
+      if method == FULL and batch not in full_steps:
+        full_steps[batch] = (step, dict(entry))
+      row["methods"][method] = entry
+    if SCAN in outputs:
+      row["checks"] = {m: compare(outputs[m], outputs[SCAN]) for m in CHECKED if m in outputs}
+    if DEFAULT in outputs and FULL in outputs:
+      # Not a check: the full batch sums its bfloat16 gradient (the embedding's
+      # scatter-add, the weights' products) over all B sequences in bfloat16.
+      row["vs_full"] = compare(outputs[DEFAULT], outputs[FULL], check=False)
     del outputs
     if compiled:
       _time_methods(row, compiled, params, tokens, rounds)
@@ -154,52 +139,6 @@ def measure_steps(
     del compiled, tokens
     on_group()
   return rows
-
-
-def _run_methods(
-    row: dict[str, Any], methods: dict[str, Callable[[Callable, int], Callable]],
-    loss: Callable, params: Any, tokens: jax.Array,
-    full_steps: dict[int, tuple[Any, dict[str, Any]]],
-) -> tuple[dict[str, Any], dict[str, Any]]:
-  """Each method compiled (the full batch once per batch size) and run once: the
-  compiled steps that ran and their outputs; each entry goes into ``row["methods"]``."""
-  batch = row["batch"]
-  compiled, outputs = {}, {}
-  for method, make in methods.items():
-    if method == FULL and batch in full_steps:  # compiled for an earlier row
-      step, entry = full_steps[batch][0], dict(full_steps[batch][1])
-    else:
-      try:
-        step, seconds = compile_timed(make(loss, row["num_microbatches"]), params, tokens)
-        entry = {"compile_s": seconds, "xla": memory_analysis_dict(step)}
-      except Exception as e:
-        step, entry = None, {"status": report_failure(method, e)}
-    if step is not None:
-      try:
-        outputs[method] = jax.block_until_ready(step(params, tokens))
-        compiled[method] = step
-        entry.setdefault("status", "ok")
-      except Exception as e:
-        entry["status"], step = report_failure(method, e), None
-    if method == FULL and batch not in full_steps:
-      full_steps[batch] = (step, dict(entry))
-    row["methods"][method] = entry
-  return compiled, outputs
-
-
-def _check(row: dict[str, Any], outputs: dict[str, Any], checked: list[str]) -> None:
-  """The checked methods' loss and gradient against the scan's, and the first's against
-  the full batch's."""
-  if SCAN in outputs:
-    checks = {m: compare(outputs[m], outputs[SCAN]) for m in checked if m in outputs}
-    if checked[0] in checks:
-      row["exact"] = checks[checked[0]]
-    if len(checked) > 1:
-      row["checks"] = checks
-  if checked[0] in outputs and FULL in outputs:
-    # Not a check: the full batch sums its bfloat16 gradient (the embedding's
-    # scatter-add, the weights' products) over all B sequences in bfloat16.
-    row["vs_full"] = compare(outputs[checked[0]], outputs[FULL], check=False)
 
 
 def _time_methods(row: dict[str, Any], compiled: dict[str, Any], params: Any,
@@ -215,12 +154,11 @@ def _time_methods(row: dict[str, Any], compiled: dict[str, Any], params: Any,
     row["methods"][method].update(
         step_ms=1e3 * statistics.median(times),
         step_ms_p25_p75=[1e3 * q for q in quartiles(times)],
-        step_ms_samples=[1e3 * t for t in times],
-    )
+        step_ms_samples=[1e3 * t for t in times])
 
 
 def checks_of(row: dict[str, Any]) -> list[dict[str, Any]]:
-  """A row's comparisons with the scan: every checked method's, or the one ``exact``."""
+  """A row's comparisons with the scan (``exact``: the one of earlier JSON)."""
   if "checks" in row:
     return list(row["checks"].values())
   return [row["exact"]] if row.get("exact") else []
@@ -237,31 +175,9 @@ def measure_fit(
     loss: Callable, params: Any, config: Config, *, known: int | None, cap: int, factor: int,
     rounds: int, budget: Budget,
 ) -> dict[str, Any]:
-  """Doubles the full batch until OOM (or ``cap``), then runs ``factor`` times it microbatched.
-
-  ``known``: the largest full batch that already ran (the step section's); the
-  doubling starts at twice it.
-  """
+  """Doubles the full batch until OOM (or ``cap``), from twice ``known`` (the largest that
+  ran inside a step), then runs ``factor`` times the largest microbatched."""
   result: dict[str, Any] = {"cap": cap, "factor": factor, "tried": []}
-  largest = _largest_full_batch(result, loss, params, config, known=known, cap=cap,
-                                budget=budget)
-  result["largest_full_batch"] = largest
-  result["cap_reached"] = largest is not None and largest * 2 > cap
-  if largest is None or not budget.left("fit"):
-    result.setdefault("status", "no full batch ran" if largest is None else "skipped (budget)")
-    return result
-  _microbatched(result, loss, params, config, batch=factor * largest, factor=factor,
-                rounds=rounds)
-  result["status"] = "ok" if "exact" in result else "incomplete"
-  return result
-
-
-def _largest_full_batch(
-    result: dict[str, Any], loss: Callable, params: Any, config: Config, *,
-    known: int | None, cap: int, budget: Budget,
-) -> int | None:
-  """Doubles the full batch from twice ``known`` until it fails; each try in
-  ``result["tried"]``."""
   largest = None
   if known is not None:
     largest = min(known, cap)
@@ -276,46 +192,48 @@ def _largest_full_batch(
     try:
       step, seconds = compile_timed(METHODS[FULL](loss, 1), params, tokens)
       jax.block_until_ready(step(params, tokens))
-      start_time = time.perf_counter()
+      start = time.perf_counter()
       jax.block_until_ready(step(params, tokens))
       result["tried"].append({"batch": batch, "status": "ok", "compile_s": seconds,
-                              "step_ms": 1e3 * (time.perf_counter() - start_time),
+                              "step_ms": 1e3 * (time.perf_counter() - start),
                               "xla": memory_analysis_dict(step)})
       largest = batch
     except Exception as e:
-      status = error_status(e)
-      result["tried"].append({"batch": batch, "status": status})
-      if status != "OOM":
-        traceback.print_exc()
+      result["tried"].append({"batch": batch, "status": report_failure("full batch", e)})
       break
     finally:
       step = tokens = None
     batch *= 2
-  return largest
+  result["largest_full_batch"] = largest
+  result["cap_reached"] = largest is not None and largest * 2 > cap
+  if largest is None or not budget.left("fit"):
+    result.setdefault("status", "no full batch ran" if largest is None else "skipped (budget)")
+    return result
+  _microbatched(result, loss, params, config, batch=factor * largest, factor=factor,
+                rounds=rounds)
+  result["status"] = "ok" if "exact" in result else "incomplete"
+  return result
 
 
-def _microbatched(
-    result: dict[str, Any], loss: Callable, params: Any, config: Config, *, batch: int,
-    factor: int, rounds: int,
-) -> None:
+def _microbatched(result: dict[str, Any], loss: Callable, params: Any, config: Config, *,
+                  batch: int, factor: int, rounds: int) -> None:
   """``batch`` through the door and the scan, microbatches halved while they run out of
   memory; compared and timed."""
   tokens = make_tokens(batch, config, seed=batch)
   result["batch"] = batch
   outputs, steps = {}, {}
-  for method in (ACCUM, SCAN):
+  for method, make in ((ACCUM, METHODS[DEFAULT]), (SCAN, METHODS[SCAN])):
     n, status = factor, "no microbatch size divides the batch"
     while batch % n == 0:
       print(f"  {method}: batch {batch} as N={n} x {batch // n}", flush=True)
       try:
-        step, seconds = compile_timed(METHODS[method](loss, n), params, tokens)
+        step, seconds = compile_timed(make(loss, n), params, tokens)
         outputs[method] = jax.block_until_ready(step(params, tokens))
       except Exception as e:
-        status = error_status(e)
+        status = report_failure(method, e)
         result.setdefault("failed", []).append({"method": method, "num_microbatches": n,
                                                 "status": status})
         if status != "OOM":
-          traceback.print_exc()
           break
         n *= 2  # smaller microbatches
         continue
@@ -334,7 +252,7 @@ def _microbatched(
       samples = time_interleaved(calls, rounds=rounds, warmup=0)
     except Exception as e:
       result["timing"] = error_status(e)
-    else:
-      for method, times in samples.items():
-        result[method].update(step_ms=1e3 * statistics.median(times),
-                              step_ms_samples=[1e3 * t for t in times])
+      return
+    for method, times in samples.items():
+      result[method].update(step_ms=1e3 * statistics.median(times),
+                            step_ms_samples=[1e3 * t for t in times])

@@ -88,13 +88,9 @@ def _path_names(path: tuple[Any, ...]) -> list[str]:
 
 
 def make_model(config: Config, attention: str, seed: int = 0):
-  """``(graphdef, params)``: the split model, its parameters on the device.
-
-  The model is built abstractly (``nnx.eval_shape``) and its bfloat16
-  parameters filled with NumPy: GPT-2's initialisation (normal, std 0.02, the
-  residual projections' scaled by ``1 / sqrt(2 layers)``; LayerNorm scales 1,
-  biases 0), with no eager jax op leaving temporaries on the device.
-  """
+  """``(graphdef, params)``: the model built abstractly and its parameters filled with
+  NumPy, GPT-2's initialisation (std 0.02, the residual projections' scaled by
+  ``1 / sqrt(2 layers)``), so that no eager jax op leaves temporaries on the device."""
   abstract = nnx.eval_shape(lambda: GPT(config, attention, rngs=nnx.Rngs(0)))
   graphdef, shapes = nnx.split(abstract, nnx.Param)
   rng = np.random.default_rng(seed)
@@ -123,9 +119,13 @@ def make_loss(graphdef: Any) -> Callable[[Any, jax.Array], jax.Array]:
   return loss_fn
 
 
+def host_tokens(rows: int, context: int, vocab: int, seed: int = 0) -> np.ndarray:
+  """``rows`` random sequences of ``context + 1`` tokens, a host NumPy array."""
+  return np.random.default_rng(seed).integers(0, vocab, (rows, context + 1), np.int32)
+
+
 def make_tokens(batch: int, config: Config, seed: int = 0) -> jax.Array:
-  rng = np.random.default_rng(seed)
-  return jax.device_put(rng.integers(0, config.vocab, (batch, config.context + 1), np.int32))
+  return jax.device_put(host_tokens(batch, config.context, config.vocab, seed))
 
 
 def resolve_attention(requested: str, config: Config) -> str:

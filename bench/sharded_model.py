@@ -1,21 +1,13 @@
 """Per-device memory and communication of one microbatched step, as formulas.
 
-The cost model of docs/multi_device.md ("What it costs: the model", where its table
-of formulas stands): for each way ``accum_jax.value_and_grad(...,
-data_parallel=DataParallel(mesh=...))`` reduces a gradient, what one device holds and
-sends in one step of ``K`` microbatches, with ``P`` parameters, ``T`` devices on a
-tensor axis, ``D`` on the data axes of which ``R`` are replicas (the parameters
-sharded over ``F = D / R``), and byte widths ``p`` (parameter), ``a`` (accumulator),
-``g`` (gather) and ``r`` (reduce). It counts what scales with the parameters:
-activations, the batch, XLA's scratch and scalars are outside it. Bytes sent are a
-ring's, as ``accum_jax.testing.Collective.bytes_sent`` counts them. With a tensor axis,
-the collectives over the data axes first gather their operand over it, as JAX 0.10
-compiles them (``Layout.tensor_split_kept=False``, the default); tests/test_cost_model.py
-holds the formulas to the compiled step.
-
-Run it for the documentation's projection table::
-
-  python bench/sharded_model.py
+The cost model of docs/multi_device.md ("What it costs: the model", with its table of
+formulas): for each way ``DataParallel(mesh=...)`` reduces a gradient, what one device
+holds and sends (a ring's bytes, as ``Collective.bytes_sent`` counts them) in one step
+of ``K`` microbatches; what scales with the parameters only. With a tensor axis, the
+collectives over the data axes first gather their operand over it, as JAX 0.10
+compiles them (``Layout.tensor_split_kept=False``). tests/test_cost_model.py holds the
+formulas to the compiled step. ``python bench/sharded_model.py`` prints the
+documentation's projection to 1B, 7B and 70B parameters.
 """
 
 from __future__ import annotations
@@ -28,34 +20,21 @@ MODES = ("data parallel", "fsdp", "gather once", "hsdp", "fsdp x tensor")
 
 
 class Layout(NamedTuple):
-  """One step's shape: parameters, devices, microbatches and byte widths.
+  """One step's shape: parameters, devices, microbatches and byte widths."""
 
-  Attributes:
-    params: ``P``, parameters (elements).
-    data: ``D``, devices on the data axes.
-    replicas: ``R``, of those the replicas (HSDP); the parameters are sharded
-      over ``D / R``. Ignored by "data parallel" (``R = D``) and the FSDP modes
-      (``R = 1``).
-    tensor: ``T``, devices on a tensor axis (parameters split over it too).
-    microbatches: ``K``.
-    param_bytes: ``p``.
-    accumulator_bytes: ``a``.
-    gather_bytes: ``g``; None: ``p``.
-    reduce_bytes: ``r``; None: the gradient's (``g`` for gathered leaves, else ``p``).
-    tensor_split_kept: whether collectives over the data axes keep the tensor
-      split (False: they gather over the tensor axis first, as JAX 0.10 compiles
-      them; see the module docstring).
-  """
-
-  params: int
-  data: int
+  params: int  # P, parameters (elements)
+  data: int  # D, devices on the data axes
+  # R, of those the replicas (HSDP): the parameters sharded over D / R. Ignored by
+  # "data parallel" (R = D) and the FSDP modes (R = 1).
   replicas: int = 1
-  tensor: int = 1
-  microbatches: int = 1
-  param_bytes: int = 4
-  accumulator_bytes: int = 4
-  gather_bytes: int | None = None
-  reduce_bytes: int | None = None
+  tensor: int = 1  # T, devices on a tensor axis (the parameters split over it too)
+  microbatches: int = 1  # K
+  param_bytes: int = 4  # p
+  accumulator_bytes: int = 4  # a
+  gather_bytes: int | None = None  # g; None: p
+  reduce_bytes: int | None = None  # r; None: the gradient's (g for gathered leaves, else p)
+  # Whether collectives over the data axes keep the tensor split (False: they gather
+  # over the tensor axis first, as JAX 0.10 compiles them).
   tensor_split_kept: bool = False
 
 
@@ -75,11 +54,6 @@ class Cost(NamedTuple):
   @property
   def sent_per_step(self) -> int:
     return self.sent_before + self.microbatches * self.sent_per_microbatch + self.sent_after
-
-  @property
-  def resident(self) -> int:
-    """Parameters, gathered parameters and accumulator: alive through the loop."""
-    return self.param + self.gathered + self.accumulator
 
 
 def shards(mode: str, layout: Layout) -> tuple[int, int]:

@@ -65,24 +65,26 @@ def test_the_tiny_run_writes_its_rows_and_matches_the_scan() -> None:
   assert set(rows) == {(1, 2), (2, 2)}
   for (n, micro), row in rows.items():
     assert row["status"] == "ok" and row["batch"] == n * micro, row
-    for method in ("accum_jax", "lax.scan", "full batch"):
-      entry = row["methods"][method]
+    assert list(row["methods"]) == ["lax.scan", "default", "on_nonfinite='skip_microbatch'",
+                                    "on_nonfinite='unchecked'", "full batch"]
+    for method, entry in row["methods"].items():
       assert entry["status"] == "ok", (n, micro, method, entry)
       assert entry["step_ms"] > 0 and len(entry["step_ms_samples"]) == 2
       assert entry["xla"]["temp_bytes"] > 0
-    exact = row["exact"]
-    assert exact["match"], (n, micro, exact)
-    assert exact["loss_rel_diff"] <= config["loss_rtol"]
-    assert exact["grad_max_rel_diff"] <= config["grad_rtol"]
+    assert len(row["checks"]) == 3
+    for checked, exact in row["checks"].items():
+      assert exact["match"], (n, micro, checked, exact)
+      assert exact["loss_rel_diff"] <= config["loss_rtol"]
+      assert exact["grad_max_rel_diff"] <= config["grad_rtol"]
     if n == 1:  # one microbatch: the same computation as the scan's single step
-      assert exact["grad_max_rel_diff"] < 1e-6, exact
+      assert row["checks"]["default"]["grad_max_rel_diff"] < 1e-6, row["checks"]
   assert data["all_match"] is True
   assert data["fit"] is None  # off a GPU only with --fit
-  # The printed table: the door (the full run's "accum_jax") against the scan.
+  # The printed table: each row against the scan.
   cells = _cells(result.stdout[result.stdout.index("| door "):])
   assert cells["inside a step", "2x2", "lax.scan"][4] == "1.000"
   assert float(cells["inside a step", "2x2", "default"][4]) == pytest.approx(
-      rows[2, 2]["methods"]["accum_jax"]["step_ms"]
+      rows[2, 2]["methods"]["default"]["step_ms"]
       / rows[2, 2]["methods"]["lax.scan"]["step_ms"], abs=1e-3)
 
 
@@ -105,9 +107,9 @@ def test_a_configuration_out_of_memory_is_recorded_and_the_others_run(
   row = rows[2, 1]
   assert row["methods"]["full batch"]["status"] == "OOM"
   assert "step_ms" not in row["methods"]["full batch"]
-  for method in ("accum_jax", "lax.scan"):
+  for method in ("default", "lax.scan"):
     assert row["methods"][method]["status"] == "ok" and row["methods"][method]["step_ms"] > 0
-  assert row["exact"]["match"] and "vs_full" not in row
+  assert row["checks"]["default"]["match"] and "vs_full" not in row
   table = gpu_report.one_table(gpu_report.records_of({"results": [row]}))
   assert _cells(table)["inside a step", "2x1", "full batch"][3] == "OOM"
   assert common.is_oom(RuntimeError("... out of memory ..."))
@@ -121,9 +123,6 @@ def _legacy_run() -> dict:
       "results": [{"num_microbatches": 2, "micro": 1, "batch": 2, "status": "ok", "methods": {
           "accum_jax": {"status": "ok", "step_ms": 40.0},
           "lax.scan": {"status": "ok", "step_ms": 32.0}}}],
-      "across_calls": [{"every_k": 8, "status": "ok",
-                        "accum_jax": {"micro_step_ms": 11.0, "window_ms": 90.0},
-                        "optax.MultiSteps": {"micro_step_ms": 10.0, "window_ms": 80.0}}],
   }
 
 
@@ -155,14 +154,12 @@ def _small_problem():
 
 def test_the_quick_check_puts_both_doors_in_one_table_beside_an_earlier_run() -> None:
   gpu_step, common = _bench("gpu_step", "_common")
-  micro_step, gpu_records = _bench("bench_micro_step", "gpu_report")
+  micro_step, gpu_report = _bench("bench_micro_step", "gpu_report")
   config, loss, params = _tiny_model()
   rows = gpu_step.measure_steps(
-      [(2, 1)], loss, params, config, rounds=1, budget=common.Budget(0),
-      on_group=lambda: None, methods=gpu_step.QUICK_METHODS, warmup_compile=True,
-  )
+      [(2, 1)], loss, params, config, rounds=1, budget=common.Budget(0), on_group=lambda: None)
   row = rows[2, 1]
-  for method in gpu_step.QUICK_METHODS:
+  for method in gpu_step.METHODS:
     entry = row["methods"][method]
     assert entry["status"] == "ok" and entry["step_ms"] > 0 and entry["compile_s"] > 0, entry
   assert set(row["checks"]) == {gpu_step.DEFAULT, gpu_step.MICROBATCH, gpu_step.NO_SKIP}
@@ -188,8 +185,8 @@ def test_the_quick_check_puts_both_doors_in_one_table_beside_an_earlier_run() ->
       floor: {"status": "ok", "micro_step_ms": 4.0, "window_ms": 40.0},
       host: {"status": "ok", "micro_step_ms": 5.0, "window_ms": 48.0},
       micro_step.MULTISTEPS_ADAMW: {"status": "ok", "micro_step_ms": 6.0, "window_ms": 60.0}}}}
-  records = gpu_records.records_of({"results": [row], "quick_across": {"combined": across}})
-  cells = _cells(gpu_records.one_table(records, gpu_records.records_of(before)))
+  records = gpu_report.records_of({"results": [row], "quick_across": {"combined": across}})
+  cells = _cells(gpu_report.one_table(records, gpu_report.records_of(before)))
   # Today's default beside the default of then, each as a ratio to its own scan.
   default = cells["inside a step", "2x1", "default"]
   assert default[-2:] == ["40.000", "1.250"], default
@@ -205,17 +202,17 @@ def test_the_quick_check_puts_both_doors_in_one_table_beside_an_earlier_run() ->
   assert cells["across calls", "window of 8 + gradient", host][-2:] == ["48.000", "0.800"]
   assert cells["across calls", "window of 8 + gradient", micro_step.MULTISTEPS_ADAMW][4] == (
       "1.000")
-  figures = {g[0]: g[1] for g in gpu_records.goals(records)}
+  figures = {g[0]: g[1] for g in gpu_report.goals(records)}
   assert "default / lax.scan step time, 2x1" in figures
   assert figures[f"{host} / interface's floor, micro-step + gradient"] == (
       f"{across[host]['micro_step_ms'] / across[floor]['micro_step_ms']:.3f}")
   assert figures[f"{device} / interface's floor, micro-step + gradient"] == "-"  # not measured
   assert figures[f"{host} / MultiSteps, window of 8 + gradient"] == (
       f"{across[host]['window_ms'] / across[micro_step.MULTISTEPS_ADAMW]['window_ms']:.3f}")
-  # The full run of then, across calls: the device schedule handed a fixed gradient.
-  legacy = _cells(gpu_records.one_table(gpu_records.records_of(_legacy_run())))
-  assert legacy["across calls", "window of 8", device][3:5] == ["90.000", "1.125"]
-  assert gpu_records.source_label(_legacy_run(), "/x/h200-bench_gpu-d1c9549.json") == (
+  # The run of then on its own: its default (named "accum_jax" then) against its scan.
+  legacy = _cells(gpu_report.one_table(gpu_report.records_of(_legacy_run())))
+  assert legacy["inside a step", "2x1", "default"][3:5] == ["40.000", "1.250"]
+  assert gpu_report.source_label(_legacy_run(), "/x/h200-bench_gpu-d1c9549.json") == (
       "NVIDIA H200, jax 0.11.2, at d1c9549")
 
 
@@ -262,7 +259,7 @@ def test_the_hand_written_floor_updates_on_the_kth_call_only() -> None:
 
 
 def test_the_loop_s_figures_join_the_one_table_and_the_goals() -> None:
-  gpu_records = _bench("gpu_report")
+  gpu_report = _bench("gpu_report")
   import bench_loop  # noqa: E402  (bench/ is on the path now)
 
   def loop(rate: float, ratios: dict[str, float]) -> dict:
@@ -277,8 +274,8 @@ def test_the_loop_s_figures_join_the_one_table_and_the_goals() -> None:
       bench_loop.FULL: loop(400.0, {"across calls": 4.1, "inside a step": 2.05}),
       bench_loop.MULTISTEPS: {"status": "skipped (budget)"},
   }}
-  records = gpu_records.records_of(output)
-  cells = _cells(gpu_records.one_table(records))
+  records = gpu_report.records_of(output)
+  cells = _cells(gpu_report.one_table(records))
   host = cells["across calls", "the loop, window of 8", bench_loop.HOST]
   assert host[3:5] == ["88.889", "1.111"], host  # ms per window; to the floor's
   # The full batch in both doors' rows, each to its own reference.
@@ -286,7 +283,7 @@ def test_the_loop_s_figures_join_the_one_table_and_the_goals() -> None:
       "20.000", "0.500"]
   assert cells["across calls", "the loop, window of 8", bench_loop.MULTISTEPS][3] == (
       "skipped (budget)")
-  figures = {g[0]: g[1:] for g in gpu_records.goals(records)}
+  figures = {g[0]: g[1:] for g in gpu_report.goals(records)}
   # Samples per second: the median of the rounds' ratios, as bench_loop reports it.
   assert figures[f"{bench_loop.HOST} loop / {bench_loop.FLOOR}, samples/s"] == ["0.930", ">= 0.95"]
   assert figures[f"{bench_loop.HOST_NO_SKIP} loop / {bench_loop.FLOOR}, samples/s"] == [

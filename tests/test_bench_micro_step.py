@@ -50,8 +50,12 @@ def micro_step_programs():
   # the counts are of a call that only accumulates, and SGD compiles fastest.
   params = models.gpt2_tree(vocab=32, context=4)
   tokens = jax.numpy.arange(5) % 32
-  return bench.micro_step_programs(
-      params, tokens, [bench.FLOOR, bench.HOST, bench.DEVICE, HAND], optax.sgd(0.1))
+  candidates = bench.across_candidates(bench.EVERY_K, optax.sgd(0.1))
+  programs = {}
+  for name in (bench.FLOOR, bench.HOST, bench.DEVICE, HAND):
+    row, _ = bench.build_row(candidates[name], models.loss_fn, params, tokens, bench.EVERY_K)
+    programs[name] = row.programs[row.applies[0]]  # a call that only accumulates
+  return programs
 
 
 @pytest.fixture(scope="module")
