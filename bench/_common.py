@@ -1,4 +1,5 @@
-"""Helpers shared by the benchmarks: timing, compiled cost, sizes, output, peak memory."""
+"""Helpers shared by the benchmarks: timing, sizes, output, budgets and
+failures, the hand-written scan, and the peak memory of one step in a fresh process."""
 
 from __future__ import annotations
 
@@ -12,75 +13,15 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+import traceback
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import jax
-
-from accum_jax.testing import copied_shapes, hlo_shape
+import jax.numpy as jnp
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-
-
-def time_samples(
-    fn: Callable[..., Any], *args: Any, repeats: int = 5, warmup: int = 1
-) -> list[float]:
-  """Wall-clock seconds of each of ``repeats`` calls ``fn(*args)``.
-
-  Every call is followed by ``jax.block_until_ready`` on its result, so the
-  time covers the computation, not just the asynchronous dispatch. ``warmup``
-  untimed calls come first (compilation, caches).
-  """
-  for _ in range(warmup):
-    jax.block_until_ready(fn(*args))
-  samples = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    samples.append(time.perf_counter() - start)
-  return samples
-
-
-def time_fn(fn: Callable[..., Any], *args: Any, repeats: int = 5, warmup: int = 1) -> float:
-  """Median wall-clock seconds of ``fn(*args)``; see :func:`time_samples`."""
-  return statistics.median(time_samples(fn, *args, repeats=repeats, warmup=warmup))
-
-
-def cost_analysis(compiled: jax.stages.Compiled) -> dict[str, float]:
-  """XLA's cost analysis of a compiled function as one dict.
-
-  Some jax versions return a list with one dict per device program; the first
-  is taken. Keys of interest: ``"flops"``, ``"bytes accessed"``. Note that for
-  a conditional XLA counts the costliest branch, not both and not the one that
-  runs: the figure is a static per-call upper bound.
-  """
-  costs = compiled.cost_analysis()
-  if isinstance(costs, (list, tuple)):
-    costs = costs[0] if costs else {}
-  return dict(costs or {})
-
-
-def compiled_flops(jitted: Any, *args: Any, **kwargs: Any) -> float:
-  """FLOPs XLA reports for one call of ``jitted(*args, **kwargs)``; nan if none."""
-  costs = cost_analysis(jitted.lower(*args, **kwargs).compile())
-  return float(costs.get("flops", float("nan")))
-
-
-def full_size_copies(compiled: jax.stages.Compiled, like: Any) -> int:
-  """``copy`` instructions in ``compiled``'s HLO of arrays as large as ``like``'s largest.
-
-  A copy of a full-size array is a pass over memory that the computation did not
-  ask for: XLA inserts one where it cannot give an output the buffer of the input
-  it was computed from (donation paired that buffer with another output, or two
-  outputs share one value, such as the zeros of several update leaves). Static:
-  a copy in a conditional's branch counts whether or not the branch runs; read
-  with ``accum_jax.testing.copied_shapes``, in every computation.
-  """
-  leaves = jax.tree.leaves(like)
-  largest = max(x.size for x in leaves)
-  shapes = {hlo_shape(x) for x in leaves if x.size == largest}
-  return sum(shape in shapes for shape in copied_shapes(compiled, "all"))
 
 
 def tree_nbytes(tree: Any) -> int:
@@ -91,13 +32,9 @@ def tree_nbytes(tree: Any) -> int:
 def environment() -> dict[str, Any]:
   """What the numbers were measured on, for the JSON output: the tree's commit too."""
   return {
-      "commit": git_commit(),
-      "jax": jax.__version__,
-      "backend": jax.default_backend(),
-      "devices": [str(d) for d in jax.devices()],
-      "cpu_count": os.cpu_count(),
-      "platform": platform.platform(),
-      "python": platform.python_version(),
+      "commit": git_commit(), "jax": jax.__version__, "backend": jax.default_backend(),
+      "devices": [str(d) for d in jax.devices()], "cpu_count": os.cpu_count(),
+      "platform": platform.platform(), "python": platform.python_version(),
       "xla_flags": os.environ.get("XLA_FLAGS", ""),
       # Other processes share the machine; a high load makes timings noisy.
       "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
@@ -105,10 +42,8 @@ def environment() -> dict[str, Any]:
 
 
 def git_commit() -> str | None:
-  """The short commit of the working tree the benchmark runs from, with "-dirty"
-  where tracked files differ from it; None outside git. ``BENCH_COMMIT`` overrides
-  it, for a copy of the tree whose git history is not the tree's (a remote machine
-  handed the working tree alone)."""
+  """The tree's short commit, "-dirty" where tracked files differ; None outside git.
+  ``BENCH_COMMIT`` overrides it, for a copy of the tree without its history."""
   if os.environ.get("BENCH_COMMIT"):
     return os.environ["BENCH_COMMIT"]
   try:
@@ -117,9 +52,7 @@ def git_commit() -> str | None:
                          cwd=Path(__file__).resolve().parent)
   except (OSError, subprocess.TimeoutExpired):
     return None
-  if out.returncode != 0:
-    return None
-  return out.stdout.strip() or None
+  return (out.stdout.strip() or None) if out.returncode == 0 else None
 
 
 def write_json(name: str, data: Any) -> Path:
@@ -165,25 +98,31 @@ def _is_number(x: Any) -> bool:
   return True
 
 
+def rotations(names: Iterable[Any], rounds: int) -> Iterator[list[Any]]:
+  """Each round's order of ``names``, starting one further along each round: drift in
+  the machine's speed (other processes, clocks, heat) falls on all of them alike
+  instead of on whichever runs last."""
+  names = list(names)
+  for r in range(rounds if names else 0):
+    yield names[r % len(names):] + names[:r % len(names)]
+
+
 def time_interleaved(
     fns: Mapping[str, Callable[[], Any]], *, rounds: int = 5, warmup: int = 1
 ) -> dict[str, list[float]]:
-  """Wall-clock seconds of each of ``rounds`` calls of every ``fns[name]()``.
-
-  The functions take turns, one call each per round, and the round starts one
-  function further each time: drift in the machine's speed (other processes,
-  clocks, thermal state) falls on all of them alike instead of on whichever ran
-  last. Each call is blocked on, as in :func:`time_samples`; ``warmup`` untimed
-  calls of each come first.
+  """Wall-clock seconds of each of ``rounds`` calls of every ``fns[name]()``, taking turns
+  (:func:`rotations`). Each call is blocked on (``jax.block_until_ready``), so that the
+  time covers the computation, not only its dispatch; ``warmup`` untimed calls first.
   """
-  names = list(fns)
-  for name in names:
+  for name in fns:
     for _ in range(warmup):
       jax.block_until_ready(fns[name]())
-  samples: dict[str, list[float]] = {name: [] for name in names}
-  for r in range(rounds):
-    for name in names[r % len(names):] + names[: r % len(names)]:
-      samples[name] += time_samples(fns[name], repeats=1, warmup=0)
+  samples: dict[str, list[float]] = {name: [] for name in fns}
+  for order in rotations(fns, rounds):
+    for name in order:
+      start = time.perf_counter()
+      jax.block_until_ready(fns[name]())
+      samples[name].append(time.perf_counter() - start)
   return samples
 
 
@@ -195,35 +134,92 @@ def quartiles(samples: Sequence[float]) -> tuple[float, float]:
   return q[0], q[2]
 
 
-# Peak memory of one step, measured in a fresh process.
-#
-# What we want is the memory one compiled step needs while it runs (its
-# temporaries and outputs), apart from what the process held before (the
-# Python and XLA runtime, the arguments) and apart from what compiling took.
-#
-# CPU: the kernel keeps the process's resident-set high-water mark (VmHWM in
-# /proc/self/status). After compiling, the worker frees what it can (gc,
-# malloc_trim), resets the mark to the current resident size (writing "5" to
-# /proc/self/clear_refs, Linux >= 4.0), runs the step and reads the mark: the
-# step's growth is VmHWM - VmRSS before the step. This is done twice. The first
-# call also faults in one-time things that are no part of any step's working
-# memory (runtime thread stacks, code pages, lazily built runtime state: about
-# 10 MiB on the CPU here, whatever the model); it is kept as first_call_peak_bytes. The
-# second call, its predecessor's outputs freed, gives step_peak_bytes. glibc is told to serve
-# every allocation of 1 MiB or more with its own mmap (MALLOC_MMAP_THRESHOLD_),
-# so that XLA's buffers come as fresh pages, are counted when touched, and go
-# back to the kernel when freed, instead of reusing heap memory that compiling
-# left resident (which would hide part of the step). Where clear_refs cannot be
-# written, the growth of ru_maxrss over the step is used; it is 0 (and flagged)
-# when the step stays below the compile's own peak.
-#
-# GPU: device.memory_stats() of the XLA allocator, without preallocation:
-# peak_bytes_in_use after the step minus bytes_in_use before it. The peak
-# cannot be reset, so it is flagged as masked when an earlier peak (setting up,
-# autotuning at compile time) is not exceeded by the step.
-#
-# A fresh process per measurement: nothing from another program (caches, heap
-# fragmentation, the allocator's pools) is left to distort the figure.
+# ---------------------------------------------------------------------------
+# Budgets and failures: a run that must end inside a job's time, and a row that runs out
+# of memory, are results, not crashes.
+
+
+class Budget:
+  """Deadlines: each phase may start new work until its share of ``seconds`` is spent
+  (0: no limit). Work started before its deadline runs to its end, so a run ends, its
+  JSON written, one configuration's time after the budget at most."""
+
+  # Cumulative shares of the budget at which each phase stops starting new work.
+  SHARES = {"step": 0.75, "across_calls": 0.85, "loop": 0.92, "fit": 1.0}
+  # bench_gpu.py --quick: by the times of a run on an H200 (245 s), the pairs 8x1 and
+  # 8x4, the four rows of the across-calls figures, the loop's first six loops.
+  QUICK_SHARES = {"step": 0.36, "across_calls": 0.54, "loop": 0.93, "fit": 1.0}
+
+  def __init__(self, seconds: float, shares: dict[str, float] | None = None):
+    self.start = time.perf_counter()
+    self.seconds = seconds
+    self.shares = shares or self.SHARES
+
+  def left(self, phase: str) -> bool:
+    if not self.seconds:
+      return True
+    return time.perf_counter() - self.start < self.seconds * self.shares[phase]
+
+
+def is_oom(error: BaseException) -> bool:
+  text = str(error)
+  return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
+
+
+def error_status(error: BaseException) -> str:
+  """``OOM``, or the error's type and first line."""
+  if is_oom(error):
+    return "OOM"
+  return f"error: {type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
+
+
+def report_failure(name: str, error: BaseException) -> str:
+  """Prints a failure (with its traceback unless out of memory) and returns its status."""
+  status = error_status(error)
+  if status != "OOM":
+    traceback.print_exc()
+  print(f"    {name}: {status}", flush=True)
+  return status
+
+
+# ---------------------------------------------------------------------------
+# Float32 sums, and the reference inside a step.
+
+
+def zeros_float32(tree: Any) -> Any:
+  return jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), tree)
+
+
+def add_float32(acc: Any, grads: Any) -> Any:
+  return jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads)
+
+
+def hand_written_scan(loss: Callable, num_microbatches: int) -> Callable:
+  """The loop users write (MaxText, Levanter): the batch reshaped to ``(N, B / N, ...)``,
+  ``jax.value_and_grad`` in a ``lax.scan`` body, float32 sums, divided by N after and
+  cast back to the parameters' dtype."""
+
+  def value_and_grad(params, batch):
+    microbatches = jax.tree.map(
+        lambda x: x.reshape(num_microbatches, -1, *x.shape[1:]), batch)
+
+    def body(total, microbatch):
+      return add_float32(total, jax.value_and_grad(loss)(params, microbatch)), None
+
+    zeros = zeros_float32((jnp.zeros(()), params))
+    (value, grads), _ = jax.lax.scan(body, zeros, microbatches)
+    return value / num_microbatches, jax.tree.map(
+        lambda g, p: (g / num_microbatches).astype(p.dtype), grads, params)
+
+  return value_and_grad
+
+
+# Peak memory of one step, measured in a fresh process (bench/README.md, "How the peak
+# memory of one step is measured"): on a CPU the growth of the resident set over the
+# step (the kernel's high-water mark, reset before it through /proc/self/clear_refs;
+# every allocation of 1 MiB or more its own mmap, so that XLA's buffers are fresh
+# pages); on a GPU the allocator's peak over what was in use before the step. A fresh
+# process, so that nothing of another program (caches, fragmentation, pools) distorts it.
 
 _PEAK_MARKER = "PEAK_RESULT_JSON:"
 _MMAP_THRESHOLD = 1 << 20
@@ -239,14 +235,6 @@ def proc_status_bytes(field: str) -> int | None:
   except OSError:
     return None
   return None
-
-
-def _maxrss_bytes() -> int:
-  import resource
-
-  # Linux reports kilobytes, macOS bytes.
-  scale = 1 if sys.platform == "darwin" else 1024
-  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
 
 
 def _release_free_memory() -> None:
@@ -266,72 +254,36 @@ def _reset_peak_rss() -> bool:
   return True
 
 
-def run_json_worker(
-    command: Sequence[str], *, env: Mapping[str, str] | None = None, timeout: float = 600,
-    cpus: int | None = None,
-) -> dict[str, Any]:
-  """Runs ``command`` and returns the JSON on its last ``PEAK_RESULT_JSON:`` line.
-
-  ``env`` is added to this process's environment; with ``cpus``, the worker may
-  run on only that many of this process's CPUs (XLA:CPU sizes its thread pool by
-  them). A worker that fails raises ``RuntimeError`` with the end of its output.
-  """
-  full_env = {**os.environ, **(env or {})}
-  allowed = sorted(os.sched_getaffinity(0))[:cpus] if cpus else None
-  proc = subprocess.run(
-      list(command), env=full_env, capture_output=True, text=True, timeout=timeout,
-      preexec_fn=(lambda: os.sched_setaffinity(0, allowed)) if allowed else None,
-  )
-  for line in reversed(proc.stdout.splitlines()):
-    if line.startswith(_PEAK_MARKER):
-      return json.loads(line[len(_PEAK_MARKER):])
-  raise RuntimeError(
-      f"worker {' '.join(command)} returned {proc.returncode} without a result:\n"
-      f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-  )
-
-
-def print_worker_result(result: Mapping[str, Any]) -> None:
-  """What a worker run by :func:`run_json_worker` prints last."""
-  print(_PEAK_MARKER + json.dumps(result, default=_to_json), flush=True)
-
-
 def fresh_process_peak(
     builder: str, config: Mapping[str, Any], *, timeout: float = 600, cpus: int | None = None,
     xla_flags: str | None = None,
 ) -> dict[str, Any]:
   """The memory of one step of a compiled function, measured in a new process.
 
-  Args:
-    builder: ``"module:function"``, a module in ``bench/``. The function is
-      called with ``**config`` in the new process and returns ``(jitted, args)``:
-      the ``jax.jit``-ed step and its arguments, already on the device. Build
-      the arguments with NumPy and ``jax.device_put`` so that setting up leaves
-      no temporaries behind.
-    config: JSON-serialisable keyword arguments for the builder.
-    timeout: seconds before the worker is killed.
-    cpus: run the worker on this many CPUs only (on CPU, one runs the step's
-      kernels one at a time: no two kernels' scratch memory at once).
-    xla_flags: added to the worker's ``XLA_FLAGS``.
-
-  Returns:
-    A dict: ``step_peak_bytes`` (the step's growth; see the comment above this
-    function), ``method`` (how it was measured), ``masked`` (the figure is a
-    lower bound), ``argument_bytes``, ``output_bytes``, ``xla`` (the compiled
-    ``memory_analysis()`` fields), ``compile_seconds``, ``step_seconds``,
-    on CPU ``first_call_peak_bytes`` (the first call's growth, one-time costs
-    included),
-    ``platform`` and the raw readings.
+  ``builder``, ``"module:function"`` of bench/, is called there with ``**config`` and
+  returns the jitted step and its arguments, already on the device (made with NumPy and
+  ``jax.device_put``: setting up leaves no temporaries). ``cpus``: the worker on that
+  many of this process's CPUs (XLA:CPU sizes its thread pool by them); ``xla_flags``:
+  added to its ``XLA_FLAGS``. Returns ``step_peak_bytes`` (the step's growth),
+  ``method``, ``masked`` (a lower bound), ``argument_bytes``, ``output_bytes``, ``xla``
+  (``memory_analysis()``), ``compile_seconds``, on a CPU ``first_call_peak_bytes``, and
+  the raw readings; a worker that fails raises ``RuntimeError`` with its output's end.
   """
-  env = {
-      "MALLOC_MMAP_THRESHOLD_": str(_MMAP_THRESHOLD),
-      # A second process sharing a GPU with the first: allocate as needed.
-      "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
-  }
+  env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(_MMAP_THRESHOLD),
+         # A second process sharing a GPU with the first: allocate as needed.
+         "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
   if xla_flags:
     env["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {xla_flags}".strip()
   command = [sys.executable, __file__, "--peak-worker", builder, json.dumps(dict(config))]
-  return run_json_worker(command, env=env, timeout=timeout, cpus=cpus)
+  allowed = sorted(os.sched_getaffinity(0))[:cpus] if cpus else None
+  proc = subprocess.run(
+      command, env=env, capture_output=True, text=True, timeout=timeout,
+      preexec_fn=(lambda: os.sched_setaffinity(0, allowed)) if allowed else None)
+  for line in reversed(proc.stdout.splitlines()):
+    if line.startswith(_PEAK_MARKER):
+      return json.loads(line[len(_PEAK_MARKER):])
+  raise RuntimeError(f"worker {' '.join(command)} returned {proc.returncode} without a"
+                     f" result:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
 
 
 def memory_analysis_dict(compiled: jax.stages.Compiled) -> dict[str, int]:
@@ -353,74 +305,50 @@ def memory_analysis_dict(compiled: jax.stages.Compiled) -> dict[str, int]:
 
 def _peak_worker(builder: str, config_json: str) -> None:
   module_name, function_name = builder.split(":")
-  build = getattr(importlib.import_module(module_name), function_name)
-  jitted, args = build(**json.loads(config_json))
+  jitted, args = getattr(importlib.import_module(module_name), function_name)(
+      **json.loads(config_json))
   jax.block_until_ready(args)
   device = jax.devices()[0]
-  on_gpu = device.platform == "gpu"
-  result: dict[str, Any] = {
-      "platform": device.platform,
-      "device": str(device),
-      "argument_bytes": tree_nbytes(args),
-  }
+  result: dict[str, Any] = {"platform": device.platform, "device": str(device),
+                            "argument_bytes": tree_nbytes(args)}
   _release_free_memory()
   result["rss_after_setup_bytes"] = proc_status_bytes("VmRSS")
-  result["hwm_after_setup_bytes"] = proc_status_bytes("VmHWM")
-
   start = time.perf_counter()
   compiled = jitted.lower(*args).compile()
-  result["compile_seconds"] = time.perf_counter() - start
-  result["xla"] = memory_analysis_dict(compiled)
-  result["hwm_after_compile_bytes"] = proc_status_bytes("VmHWM")
-
+  result.update(compile_seconds=time.perf_counter() - start,
+                xla=memory_analysis_dict(compiled),
+                hwm_after_compile_bytes=proc_status_bytes("VmHWM"))
   _release_free_memory()
-  if on_gpu:
+  if device.platform == "gpu":
     before = device.memory_stats() or {}
-    start = time.perf_counter()
     out = jax.block_until_ready(compiled(*args))
-    result["step_seconds"] = time.perf_counter() - start
     after = device.memory_stats() or {}
-    in_use, peak_before = before.get("bytes_in_use"), before.get("peak_bytes_in_use")
-    peak = after.get("peak_bytes_in_use")
+    in_use, peak = before.get("bytes_in_use"), after.get("peak_bytes_in_use")
     result.update(
         method="gpu peak_bytes_in_use - bytes_in_use before the step",
-        bytes_in_use_before=in_use,
-        peak_bytes_in_use_before=peak_before,
-        peak_bytes_in_use_after=peak,
-        bytes_limit=after.get("bytes_limit"),
-    )
-    if in_use is None or peak is None:
-      result.update(step_peak_bytes=None, masked=True)
-    else:
-      result.update(step_peak_bytes=peak - in_use, masked=peak <= (peak_before or 0))
+        bytes_in_use_before=in_use, peak_bytes_in_use_before=before.get("peak_bytes_in_use"),
+        peak_bytes_in_use_after=peak, bytes_limit=after.get("bytes_limit"),
+        step_peak_bytes=None if in_use is None or peak is None else peak - in_use,
+        # The peak cannot be reset: masked where an earlier one (set-up, autotuning) stands.
+        masked=in_use is None or peak is None
+        or peak <= (before.get("peak_bytes_in_use") or 0))
   else:
-    # Twice: see the comment above fresh_process_peak.
+    # Twice: the first call also faults in one-time things that belong to no step
+    # (thread stacks, code pages, lazily built runtime state), kept as first_call_*.
     for key in ("first_call", "step"):
+      out = None
       _release_free_memory()
       reset = _reset_peak_rss()
       rss_before = proc_status_bytes("VmRSS")
-      maxrss_before = _maxrss_bytes()
-      start = time.perf_counter()
       out = jax.block_until_ready(compiled(*args))
-      seconds = time.perf_counter() - start
-      hwm, maxrss = proc_status_bytes("VmHWM"), _maxrss_bytes()
-      if reset and rss_before is not None and hwm is not None:
-        method = "VmHWM reset before the step (clear_refs), minus VmRSS before it"
-        peak, masked = hwm - rss_before, False
-      else:
-        method = "ru_maxrss growth over the step (peak could not be reset)"
-        peak, masked = maxrss - maxrss_before, maxrss <= maxrss_before
-      result.update({f"{key}_peak_bytes": peak, f"{key}_seconds": seconds,
-                     f"rss_before_{key}_bytes": rss_before, f"hwm_after_{key}_bytes": hwm})
-      if key == "first_call":
-        first_masked = masked
-        del out
-    if not reset:
-      # ru_maxrss cannot be reset: the second call cannot rise above the first.
-      result.update(step_peak_bytes=result["first_call_peak_bytes"], masked=first_masked)
-    result.update(method=method, masked=result.get("masked", masked))
+      hwm = proc_status_bytes("VmHWM")
+      peak = hwm - rss_before if reset and rss_before is not None and hwm is not None else None
+      result.update({f"{key}_peak_bytes": peak, f"rss_before_{key}_bytes": rss_before,
+                     f"hwm_after_{key}_bytes": hwm})
+    result.update(method="VmHWM reset before the step (clear_refs), minus VmRSS before it",
+                  masked=result["step_peak_bytes"] is None)
   result["output_bytes"] = tree_nbytes(out)
-  print_worker_result(result)
+  print(_PEAK_MARKER + json.dumps(result, default=_to_json), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,58 +1,20 @@
 """The training loop users run: many calls, data from NumPy, no blocking until the end.
 
-A compiled step timed alone, blocked on after each call, hides every wait of the
-host. Users run a loop: JAX dispatches asynchronously, a call returns before its
-step has run, and the host slices the next batch and decides the next call while
-the device computes. A loop is as fast as its slowest wait: the device's steps, or
-the host's Python, dispatch and transfers, whichever is longer per call. Each loop
-here is written as a user writes it, each call handed a fresh slice of a host
-NumPy array of tokens, as a data loader gives them, and nothing read back until
-the end.
-
-Across calls (``every_k`` = 8; each call the gradient of one microbatch):
-
-- **modulo loop (floor)**: two jits, chosen by ``(call + 1) % 8 == 0`` in Python:
-  a micro-step (the gradient and a float32 add into an accumulator tree, the
-  parameters and the accumulator donated, the optimizer state not passed) and an
-  applying step (the gradient, the add, AdamW on the mean, ``apply_updates`` and a
-  zeroed accumulator);
-- ``accumulate(adamw)`` with ``apply=HostSchedule.next()`` (two programs), by
-  default, with ``on_nonfinite="unchecked"`` and with ``pack_inner_state=True``
-  (AdamW's state kept as one vector per dtype between windows, its arithmetic
-  unchanged: fewer buffers a call); ``accumulate(optax.flatten(adamw))`` the same
-  way (AdamW run on one raveled vector);
-- the same ``accumulate(adamw)`` with the update in a jit of its own (the
-  gradient compiled once, the update twice: three small programs);
-- ``accumulate(adamw)`` with ``apply`` left out (the device schedule: one
-  program, a kept conditional); ``optax.MultiSteps(adamw, 8)``;
-- the full batch of 8 microbatches in one plain AdamW step (where it fits);
-- a control: the modulo loop with AdamW's state handed to the micro-step and back
-  untouched (the floor's program, with the buffers an Optax transformation's
-  state brings to every call).
-
-Inside a step (each call the whole batch of 8 microbatches): a hand-written
-``lax.scan`` over the microbatches + AdamW (floor), ``accum_jax.value_and_grad(loss,
-num_microbatches=8)`` + AdamW, and the full batch (measured once, in both tables).
-
-Each step returns its loss, as a training step does, kept in a list. The loops
-take turns in rounds, ``--windows`` windows of 8 microbatches each per round, in
-rotating order, each run starting on an idle device; per run: the host's time
-(from the loop's start to its last dispatch), the total (until the last result is
-ready), the process's CPU time over the same span, and how many calls were still
-in flight at the last dispatch (their losses not ready). Reported: samples
-(sequences) per second, median of the rounds, its ratio to the floor's (the
-median of the rounds' ratios), the host's time and the CPU time per iteration, and
-whether dispatch ran ahead of the device (more than the call just dispatched in
-flight in most rounds). With it, what a call that only accumulates hands over
-and launches: the buffers in and out of its programs (each costs the host its
-dispatch) and their top-level fusions (``accum_jax.testing.kernel_counts``).
-Each program is compiled ahead (``lower().compile()``, in the form the loop calls
-it, so the loop finds it compiled), after a warm-up compile: the compile times of
-the host schedule's two programs against the device schedule's one.
-
-The model: on a GPU, bench_gpu.py's GPT-2 small (``gpu_model``), one sequence of
-1024 tokens a microbatch; elsewhere bench_micro_step.py's narrow GPT-2-shaped tree
-(148 bfloat16 leaves, width 64, 16 tokens), its gradient some milliseconds on a CPU.
+A step timed alone, blocked on after each call, hides every wait of the host; in a
+loop, JAX dispatches asynchronously and the host prepares the next call while the
+device computes, so a loop runs at the pace of its slower side. Each loop here is
+written as users write it: each call handed a fresh slice of a host NumPy array, its
+loss kept, nothing read back until the end. Across calls (every_k = 8, a microbatch a
+call): the two-jit modulo loop (the floor); ``accumulate(adamw)`` with
+``apply=HostSchedule.next()`` (by default, ``on_nonfinite="unchecked"``,
+``pack_inner_state=True``, around ``optax.flatten``, the update in a jit of its own);
+the device schedule; ``optax.MultiSteps``; the full batch; and a control, the floor
+with AdamW's state handed through its micro-step. Inside a step (8 microbatches a
+call): the hand-written ``lax.scan`` (floor) and ``accum_jax.value_and_grad``, each
+with AdamW. The loops take turns in rounds; per loop: samples per second against its
+door's floor, the host's and the CPU's time per call, the calls in flight at the last
+dispatch, what a call that only accumulates hands over and launches, and each
+program's compile time. The model: GPT-2 small on a GPU, ``models.gpt2_tree`` elsewhere.
 
 Run from the repository root::
 
@@ -68,16 +30,25 @@ import functools
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from _common import environment, git_commit, markdown_table, quartiles, write_json
-from gpu_failures import report_failure
-from gpu_methods import hand_written_scan
+from _common import (
+    add_float32,
+    environment,
+    git_commit,
+    hand_written_scan,
+    markdown_table,
+    quartiles,
+    report_failure,
+    rotations,
+    write_json,
+    zeros_float32,
+)
 
 import accum_jax
 from accum_jax.testing import kernel_counts
@@ -142,14 +113,6 @@ class Loop:
 # NumPy array) and the inner optimizer.
 
 
-def _zeros32(params: Any) -> Any:
-  return jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-
-
-def _add(acc: Any, grads: Any) -> Any:
-  return jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads)
-
-
 def on_device(tree: Any) -> Any:
   """``tree`` committed to the device, as the steps' outputs are: a program compiled
   ahead for arrays placed otherwise (a jitted init whose zeros read no input leaves
@@ -171,7 +134,7 @@ def modulo_floor(loss: Callable, params: Any, tokens: np.ndarray,
 
   def gradient_and_add(params, acc, tokens):
     value, grads = jax.value_and_grad(loss)(params, tokens)
-    return _add(acc, grads), value
+    return add_float32(acc, grads), value
 
   @functools.partial(jax.jit, donate_argnums=(0, 1))
   def micro_step(params, acc, tokens):
@@ -187,7 +150,7 @@ def modulo_floor(loss: Callable, params: Any, tokens: np.ndarray,
     acc, value = gradient_and_add(params, acc, tokens)
     mean = jax.tree.map(lambda a, p: (a / EVERY_K).astype(p.dtype), acc, params)
     updates, opt_state = inner.update(mean, opt_state, params)
-    return optax.apply_updates(params, updates), _zeros32(params), opt_state, value
+    return optax.apply_updates(params, updates), zeros_float32(params), opt_state, value
 
   def step(call, carry, tokens):
     params, acc, opt_state = carry
@@ -199,7 +162,7 @@ def modulo_floor(loss: Callable, params: Any, tokens: np.ndarray,
       params, acc, value = micro_step(params, acc, tokens)
     return (params, acc, opt_state), value
 
-  acc, opt_state = _init(_zeros32, params), _init(inner.init, params)
+  acc, opt_state = _init(zeros_float32, params), _init(inner.init, params)
   micro = ((micro_step_with_state, (params, acc, opt_state, tokens), {}) if state_through
            else (micro_step, (params, acc, tokens), {}))
   programs = {"micro-step": micro,
@@ -392,7 +355,7 @@ def compiled_count(loop: Loop) -> int | None:
 
 def build(
     loss: Callable, params: Any, data: np.ndarray, *, micro: int,
-    names: Sequence[str] | None = None, should_start: Callable[[], bool] = lambda: True,
+    names: Collection[str] | None = None, should_start: Callable[[], bool] = lambda: True,
 ) -> tuple[dict[str, Loop], dict[str, dict[str, Any]]]:
   """Each loop (``names``; None: all) built, its programs compiled, and one window
   run (the first calls allocate); the loops, and their entries in the results.
@@ -432,10 +395,9 @@ def time_rounds(loops: dict[str, Loop], results: dict[str, dict[str, Any]], data
                 *, rounds: int, windows: int) -> None:
   """The loops taking turns, ``windows`` windows each per round, in rotating order;
   their figures added to ``results``."""
-  order = list(loops)
-  samples: dict[str, list[dict[str, Any]]] = {name: [] for name in order}
-  for r in range(rounds if order else 0):
-    for name in order[r % len(order):] + order[:r % len(order)]:
+  samples: dict[str, list[dict[str, Any]]] = {name: [] for name in loops}
+  for order in rotations(loops, rounds):
+    for name in order:
       samples[name].append(run(loops[name], data, windows))
   for name, runs in samples.items():
     loop, entry = loops[name], results[name]
@@ -447,7 +409,7 @@ def time_rounds(loops: dict[str, Loop], results: dict[str, dict[str, Any]], data
 
 def measure(
     loss: Callable, params: Any, data: np.ndarray, *, micro: int, rounds: int, windows: int,
-    names: Sequence[str] | None = None, should_start: Callable[[], bool] = lambda: True,
+    names: Collection[str] | None = None, should_start: Callable[[], bool] = lambda: True,
 ) -> dict[str, dict[str, Any]]:
   """:func:`build`, then :func:`time_rounds`: each loop's figures, by name."""
   loops, results = build(loss, params, data, micro=micro, names=names,
@@ -540,8 +502,8 @@ def compile_note(results: dict[str, dict[str, Any]]) -> str:
 
 
 def cpu_problem(layers: int, micro: int, rows: int) -> tuple[Callable, Any, np.ndarray]:
-  """bench_micro_step.py's GPT-2-shaped tree and its loss, over a batch of sequences."""
-  from bench_micro_step import gpt2_tree, loss_fn
+  """``models.gpt2_tree`` and its loss, over a batch of sequences."""
+  from models import gpt2_tree, host_tokens, loss_fn
 
   context, vocab = 16, 128
 
@@ -554,8 +516,8 @@ def cpu_problem(layers: int, micro: int, rows: int) -> tuple[Callable, Any, np.n
 
 def gpu_problem(micro: int, rows: int, config: Any = None,
                 ) -> tuple[Callable, Any, np.ndarray, dict[str, Any]]:
-  """bench_gpu.py's GPT-2 small (or ``config``), and random tokens in a host array."""
-  from gpu_model import GPT2_SMALL, make_loss, make_model, resolve_attention
+  """GPT-2 small (or ``config``), and random tokens in a host array."""
+  from models import GPT2_SMALL, host_tokens, make_loss, make_model, resolve_attention
 
   config = config or GPT2_SMALL
   attention = resolve_attention("auto", config)
@@ -563,11 +525,6 @@ def gpu_problem(micro: int, rows: int, config: Any = None,
   data = host_tokens(rows * micro, config.context, config.vocab)
   return make_loss(graphdef), params, data, {**dataclasses.asdict(config),
                                              "attention": attention}
-
-
-def host_tokens(rows: int, context: int, vocab: int, seed: int = 0) -> np.ndarray:
-  """``rows`` random sequences of ``context + 1`` tokens, a host NumPy array."""
-  return np.random.default_rng(seed).integers(0, vocab, (rows, context + 1), np.int32)
 
 
 def print_report(results: dict[str, dict[str, Any]]) -> None:
@@ -596,7 +553,8 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--name", default=None,
                       help="results bench/results/<name>.json (default loop, or loop_quick)")
   parser.add_argument("--loops", nargs="+", default=None, metavar="NAME",
-                      help="measure only the loops whose names contain one of these")
+                      help="measure only the loops whose names contain one of these (and"
+                      " the floors)")
   args = parser.parse_args(argv)
   rounds = args.rounds or (3 if args.quick else 60)
   windows = args.windows or 2
@@ -608,7 +566,7 @@ def main(argv: list[str] | None = None) -> int:
   else:
     layers = 1 if args.quick else 12
     loss, params, data = cpu_problem(layers, args.micro, rows)
-    model = {"tree": "bench_micro_step.gpt2_tree", "layers": layers, "width": 64,
+    model = {"tree": "models.gpt2_tree", "layers": layers, "width": 64,
              "vocab": 128, "context": 16}
   leaves = len(jax.tree.leaves(params))
   print(f"the training loop, every_k={EVERY_K}, {args.micro} sequence(s) a microbatch,"
@@ -616,8 +574,9 @@ def main(argv: list[str] | None = None) -> int:
         " loop, interleaved; data sliced from a host NumPy array each call", flush=True)
   start = environment()
   names = None
-  if args.loops:
-    names = [n for n in loop_builders(loss) if any(part in n for part in args.loops)]
+  if args.loops:  # with the floor of each door they are in: the ratios are to it
+    names = {n for n in loop_builders(loss) if any(part in n for part in args.loops)}
+    names |= {REFERENCE[door] for name in names for door in doors(name)}
   results = measure(loss, params, data, micro=args.micro, rounds=rounds, windows=windows,
                     names=names)
   report = {"environment": start, "commit": git_commit(), "rounds": rounds,

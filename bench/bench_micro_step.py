@@ -1,29 +1,17 @@
-"""Across calls, as users write a train step: the gradient, ``tx.update`` and the update, one jit.
+"""Across calls, in the step users write: what a call that only accumulates costs.
 
-Each row is one jitted step that takes the gradient of one microbatch (a narrow
-GPT-2-shaped Transformer, 148 leaves, bfloat16 parameters), gives it to the
-optimizer and applies the updates, with the parameters and the optimizer state
-donated. A *micro-step* is a call that only accumulates; a *window* is the
-``every_k`` = 8 calls whose last one applies AdamW. Two floors:
-
-- the **acc-only floor**: the two-program form a careful user writes by hand, a
-  jitted gradient plus a float32 tree add, with no optimizer in the program;
-- the **interface's floor**: the same with AdamW's state passed through untouched,
-  as the Optax interface hands the whole state to every call (each buffer passed
-  to a jitted call costs its dispatch).
-
-The rows: the floors; the host schedule (``accumulate(adamw)`` with
-``apply=False`` on 7 calls and ``apply=True`` on the 8th, two compiled programs),
-also with the inner state packed by ``optax.flatten``; the device schedule
-(``apply`` left out: one program, a kept conditional), also with
-``on_nonfinite="skip_microbatch"``; a hand-written
-``lax.cond`` accumulator; a plain AdamW step; ``optax.MultiSteps(adamw)``.
-
-The rows take turns, a window each per round, so that machine noise falls on all
-alike; a row's micro-step is the median of its calls 1-7, its window the median of
-its windows' sums. Its compiled micro-step is counted (``accum_jax.testing.kernel_counts``):
-top-level fusions (on a GPU about one kernel each, 10-15 us whatever its size),
-copies and conditionals.
+The rows (:func:`across_candidates`): the acc-only floor (the gradient and a float32
+add per leaf); the interface's floor (the same with the inner state passed through, as
+an Optax transformation is handed its whole state on every call); ``accumulate(adamw)``
+on the host schedule (two programs: ``apply=True`` on a window's last call only) and on
+the device schedule (one program, a kept conditional); ``accumulate(optax.flatten(
+adamw))`` on the host schedule; a hand-written ``lax.cond`` accumulator; a plain AdamW
+step; ``optax.MultiSteps(adamw)``. Each call the gradient of one sequence and the update
+in one jit, donated; the rows take turns a window of 8 at a time. Per row: the median
+micro-step against both floors, the window against MultiSteps', and the compiled
+micro-step's fusions, copies and conditionals (``accum_jax.testing.kernel_counts``;
+tests/test_bench_micro_step.py bounds them). Here on ``models.gpt2_tree`` (148 narrow
+leaves); bench_gpu.py runs the same rows on GPT-2 small.
 
 Run from the repository root::
 
@@ -34,16 +22,30 @@ Run from the repository root::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import time
-from collections.abc import Callable
-from typing import Any, NamedTuple
+from collections.abc import Callable, Collection
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
-from _common import environment, git_commit, markdown_table, write_json
+from _common import (
+    Budget,
+    add_float32,
+    environment,
+    git_commit,
+    markdown_table,
+    memory_analysis_dict,
+    report_failure,
+    rotations,
+    tree_nbytes,
+    write_json,
+    zeros_float32,
+)
+from models import gpt2_tree, loss_fn
 
 import accum_jax
 from accum_jax.testing import copied_shapes, kernel_counts
@@ -53,255 +55,222 @@ ACC_FLOOR = "acc-only floor: gradient + f32 tree add"
 FLOOR = "interface's floor: the same, AdamW state passed through"
 HOST = "accumulate(adamw), host schedule"
 DEVICE = "accumulate(adamw), device schedule"
-MULTISTEPS = "optax.MultiSteps(adamw)"
+HAND_COND = "hand-written lax.cond accumulator"
+PLAIN = "plain AdamW step"
+MULTISTEPS_ADAMW = "optax.MultiSteps(adamw)"
+FLATTEN_HOST = "accumulate(optax.flatten(adamw)), host schedule"
 
 
-def gpt2_tree(layers: int = 12, width: int = 64, vocab: int = 128, context: int = 16) -> Any:
-  """Parameters shaped like GPT-2's (148 leaves at 12 layers), narrow, in bfloat16."""
-  keys = iter(jax.random.split(jax.random.key(0), 8 * layers + 4))
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+  """One way of handling a call's gradient: ``init(params)`` and ``update(params, state,
+  grads, apply) -> (params, state)``, jitted with ``apply`` static. ``host``: the host
+  says which call ends a window (``apply`` True on its last call only), else ``apply``
+  is None."""
 
-  def norm():
-    return {"scale": jnp.ones(width), "bias": jnp.zeros(width)}
-
-  def dense(n_in, n_out):
-    return {"w": 0.02 * jax.random.normal(next(keys), (n_in, n_out)), "b": jnp.zeros(n_out)}
-
-  params: dict[str, Any] = {
-      "wte": 0.02 * jax.random.normal(next(keys), (vocab, width)),
-      "wpe": 0.02 * jax.random.normal(next(keys), (context, width)),
-      "ln_f": norm(),
-  }
-  for i in range(layers):
-    params[f"h{i:02d}"] = {
-        "ln_1": norm(), "ln_2": norm(),
-        "attn": {"qkv": dense(width, 3 * width), "proj": dense(width, width)},
-        "mlp": {"fc": dense(width, 4 * width), "proj": dense(4 * width, width)},
-    }
-  return jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
-
-
-def _layer_norm(p: Any, x: jax.Array) -> jax.Array:
-  mean = x.mean(-1, keepdims=True)
-  x = (x - mean) * jax.lax.rsqrt(((x - mean) ** 2).mean(-1, keepdims=True) + 1e-5)
-  return x * p["scale"] + p["bias"]
-
-
-def _block(p: Any, x: jax.Array, heads: int = 4) -> jax.Array:
-  t, width = x.shape
-  q, k, v = jnp.split(_layer_norm(p["ln_1"], x) @ p["attn"]["qkv"]["w"]
-                      + p["attn"]["qkv"]["b"], 3, axis=-1)
-  q, k, v = (y.reshape(t, heads, width // heads) for y in (q, k, v))
-  attention = jax.nn.dot_product_attention(q[None], k[None], v[None], is_causal=True)[0]
-  x = x + attention.reshape(t, width) @ p["attn"]["proj"]["w"] + p["attn"]["proj"]["b"]
-  hidden = jax.nn.gelu(_layer_norm(p["ln_2"], x) @ p["mlp"]["fc"]["w"] + p["mlp"]["fc"]["b"])
-  return x + hidden @ p["mlp"]["proj"]["w"] + p["mlp"]["proj"]["b"]
-
-
-def loss_fn(params: Any, tokens: jax.Array) -> jax.Array:
-  """Next-token cross-entropy of one sequence, in float32."""
-  inputs, targets = tokens[:-1], tokens[1:]
-  x = params["wte"][inputs] + params["wpe"][: inputs.shape[0]]
-  for name in sorted(k for k in params if k.startswith("h")):
-    x = _block(params[name], x)
-  logits = (_layer_norm(params["ln_f"], x) @ params["wte"].T).astype(jnp.float32)
-  return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
-
-
-def gradient(params: Any, tokens: jax.Array) -> Any:
-  return jax.grad(loss_fn)(params, tokens)
-
-
-# ---------------------------------------------------------------------------
-# The rows. Each is an init and a step(params, state, tokens, apply) -> (params,
-# state); `apply` is a Python bool on rows that the host schedules (`host`), and
-# ignored by the others.
-
-
-class Row(NamedTuple):
   init: Callable[[Any], Any]
-  step: Callable[..., tuple[Any, Any]]
-  host: bool = False  # the host says which call applies: two compiled programs
+  update: Callable[[Any, Any, Any, bool | None], tuple[Any, Any]]
+  host: bool = False
 
 
-def _zeros32(params: Any) -> Any:
-  return jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+def _floor(inner: optax.GradientTransformation | None = None) -> Candidate:
+  """The gradient's float32 add per leaf and nothing else (the acc-only floor); with
+  ``inner``, its state passed through untouched (the interface's floor: an Optax
+  transformation is handed its whole state on every call, each buffer dispatched)."""
+
+  def update(params, state, grads, apply):
+    if inner is None:
+      return params, add_float32(state, grads)
+    return params, (add_float32(state[0], grads), state[1])
+
+  if inner is None:
+    return Candidate(zeros_float32, update)
+  return Candidate(lambda p: (zeros_float32(p), inner.init(p)), update)
 
 
-def acc_only_floor() -> Row:
-  def step(params, acc, tokens, apply):
-    del apply
-    grads = gradient(params, tokens)
-    return params, jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads)
+def _hand_written_cond(inner: optax.GradientTransformation, every_k: int) -> Candidate:
+  """What a careful user writes: a float32 tree, the inner update under a kept conditional.
 
-  return Row(_zeros32, step)
+  The skip branch only passes its operands through, so XLA:GPU keeps the
+  conditional (it turns one whose branches hold only cheap ops into selects of
+  both); the zero updates and the reset are ``where``s outside it.
+  """
 
-
-def interface_floor(inner: optax.GradientTransformation) -> Row:
-  def step(params, state, tokens, apply):
-    acc, inner_state = state
-    params, acc = acc_only_floor().step(params, acc, tokens, apply)
-    return params, (acc, inner_state)
-
-  return Row(lambda p: (_zeros32(p), inner.init(p)), step)
-
-
-def hand_written_cond(inner: optax.GradientTransformation) -> Row:
-  """A careful user's accumulator: the inner update under a conditional XLA:GPU keeps."""
   def init(params):
-    return _zeros32(params), inner.init(params), jnp.zeros((), jnp.int32)
+    return jnp.zeros((), jnp.int32), zeros_float32(params), inner.init(params)
 
-  def step(params, state, tokens, apply):
+  def update(params, state, grads, apply):
     del apply
-    acc, inner_state, count = state
-    grads = gradient(params, tokens)
-    first = count % EVERY_K == 0
-    acc = jax.tree.map(lambda a, g: jnp.where(first, 0.0, a) + g.astype(jnp.float32), acc, grads)
+    count, acc, inner_state = state
     count = count + 1
+    acc = add_float32(acc, grads)
+    emit = count % every_k == 0
 
-    def emit(acc, inner_state):
-      mean = jax.tree.map(lambda a, p: (a / EVERY_K).astype(p.dtype), acc, params)
-      updates, inner_state = inner.update(mean, inner_state, params)
-      return jax.lax.optimization_barrier(updates), inner_state
+    def apply_inner(acc, inner_state, params):
+      mean = jax.tree.map(lambda a, p: (a / every_k).astype(p.dtype), acc, params)
+      return inner.update(mean, inner_state, params)
 
-    def hold(acc, inner_state):
-      del acc
-      return jax.tree.map(jnp.zeros_like, params), inner_state
+    def skip(acc, inner_state, params):
+      return params, inner_state  # the parameters stand in for the updates' shapes
 
-    updates, inner_state = jax.lax.cond(count % EVERY_K == 0, emit, hold, acc, inner_state)
-    return optax.apply_updates(params, updates), (acc, inner_state, count)
+    updates, inner_state = jax.lax.cond(emit, apply_inner, skip, acc, inner_state, params)
+    updates = jax.tree.map(lambda u: jnp.where(emit, u, jnp.zeros_like(u)), updates)
+    acc = jax.tree.map(lambda a: jnp.where(emit, jnp.zeros_like(a), a), acc)
+    return optax.apply_updates(params, updates), (count, acc, inner_state)
 
-  return Row(init, step)
+  return Candidate(init, update)
 
 
-def transformation(tx: optax.GradientTransformation, host: bool = False) -> Row:
-  """The step users write: ``tx.update`` of the gradient, then ``apply_updates``."""
-  def step(params, state, tokens, apply):
-    extra = {"apply": apply} if host else {}
-    updates, state = tx.update(gradient(params, tokens), state, params, **extra)
+def _transformation(tx: optax.GradientTransformation, *, host: bool = False) -> Candidate:
+  """``tx.update`` and ``apply_updates``; ``host``: with the host's ``apply=``."""
+
+  def update(params, state, grads, apply):
+    extra = {} if apply is None else {"apply": apply}
+    updates, state = tx.update(grads, state, params, **extra)
     return optax.apply_updates(params, updates), state
 
-  return Row(tx.init, step, host)
+  return Candidate(tx.init, update, host)
 
 
-def rows(inner: optax.GradientTransformation | None = None) -> dict[str, Row]:
-  inner = inner or optax.adamw(1e-4)
+def across_candidates(every_k: int, inner: optax.GradientTransformation | None = None,
+                      ) -> dict[str, Candidate]:
+  """The rows, ``inner`` (default AdamW) inside, in the order they are measured: the
+  headline figures' rows first (the interface's floor, both schedules, MultiSteps),
+  then the packed inner state's and its floor, so that a budget cut falls on the
+  others."""
+  adamw = inner or optax.adamw(1e-4)
 
-  def acc(host, wrap=lambda x: x, **kwargs):
-    return transformation(accum_jax.accumulate(wrap(inner), every_k=EVERY_K, **kwargs), host)
+  def accumulate(**kwargs):
+    return accum_jax.accumulate(adamw, every_k=every_k, **kwargs)
 
   return {
-      ACC_FLOOR: acc_only_floor(),
-      FLOOR: interface_floor(inner),
-      HOST: acc(True),
-      "accumulate(optax.flatten(adamw)), host schedule": acc(True, optax.flatten),
-      DEVICE: acc(False),
-      "accumulate(adamw, on_nonfinite='skip_microbatch'), device schedule": acc(
-          False, on_nonfinite="skip_microbatch"),
-      "hand-written lax.cond accumulator": hand_written_cond(inner),
-      "plain AdamW step": transformation(inner),
-      MULTISTEPS: transformation(optax.MultiSteps(inner, EVERY_K).gradient_transformation()),
+      FLOOR: _floor(adamw),
+      HOST: _transformation(accumulate(), host=True),
+      DEVICE: _transformation(accumulate()),
+      MULTISTEPS_ADAMW: _transformation(optax.MultiSteps(adamw, every_k).gradient_transformation()),
+      ACC_FLOOR: _floor(),
+      FLATTEN_HOST: _transformation(
+          accum_jax.accumulate(optax.flatten(adamw), every_k=every_k), host=True),
+      HAND_COND: _hand_written_cond(adamw, every_k),
+      PLAIN: _transformation(adamw),
   }
 
 
-# ---------------------------------------------------------------------------
-# Compiling, counting and timing.
+@dataclasses.dataclass
+class Row:
+  """A row compiled: its programs by ``apply``, each call's ``apply`` in a window, and
+  ``carry``, its own ``[params, state]``, updated by each call."""
+
+  programs: dict[bool | None, Any]
+  applies: list[bool | None]
+  carry: list[Any]
 
 
-def compile_rows(
-    params: Any, tokens: jax.Array, names: Any = None,
-    inner: optax.GradientTransformation | None = None,
-) -> dict[str, dict[str, Any]]:
-  """``{row: {"programs": {apply: compiled}, "carry": [params, state]}}`` for ``names``
-  (None: all). A host row has two programs (``apply`` False and True); the others one,
-  under ``None``."""
-  built = {}
-  for name, row in rows(inner).items():
-    if names is not None and name not in names:
-      continue
-    own = jax.tree.map(jnp.copy, params)
-    state = jax.jit(row.init)(own)
-    jitted = jax.jit(row.step, static_argnames="apply", donate_argnums=(0, 1))
-    applies = (False, True) if row.host else (None,)
-    programs = {a: jitted.lower(own, state, tokens, apply=a).compile() for a in applies}
-    built[name] = {"programs": programs, "carry": [own, state]}
-  return built
+def build_row(
+    candidate: Candidate, loss: Callable, params: Any, tokens: jax.Array, every_k: int
+) -> tuple[Row, dict[str, Any]]:
+  """The row's step (the gradient of ``tokens`` and the update, one jit) compiled for each
+  ``apply`` it takes; its entry: compile time, XLA's memory (of the program that
+  applies), the state's bytes and buffers, and what a micro-step launches
+  (``kernel_counts``; ``leaf_copies``: the copies of more than a scalar)."""
+
+  def step(params, state, tokens, apply):
+    return candidate.update(params, state, jax.grad(loss)(params, tokens), apply)
+
+  jitted = jax.jit(step, static_argnames="apply", donate_argnums=(0, 1))
+  own = jax.tree.map(jnp.copy, params)  # donated: each row its own copy
+  state = jax.jit(candidate.init)(own)
+  # Each call's apply in a window: the host's (True on the last call only), or None.
+  applies = [False] * (every_k - 1) + [True] if candidate.host else [None] * every_k
+  programs, start = {}, time.perf_counter()
+  for apply in dict.fromkeys(applies):  # False then True, or None
+    programs[apply] = jitted.lower(own, state, tokens, apply=apply).compile()
+  micro_step = programs[applies[0]]
+  entry = {"compile_s": time.perf_counter() - start, "programs": len(programs),
+           "xla": memory_analysis_dict(programs[applies[-1]]), "state_bytes": tree_nbytes(state),
+           "state_buffers": len(jax.tree.leaves(state)),
+           "micro_step_counts": {**kernel_counts(micro_step)._asdict(), "leaf_copies": sum(
+               not shape.endswith("[]") for shape in copied_shapes(micro_step))}}
+  if len(programs) > 1:
+    entry["micro_step_xla"] = memory_analysis_dict(micro_step)
+  return Row(programs, applies, [own, state]), entry
 
 
-def micro_step_program(entry: dict[str, Any]) -> Any:
-  """The program of a call that only accumulates."""
-  return entry["programs"].get(False, entry["programs"].get(None))
-
-
-def _window(entry: dict[str, Any], tokens: jax.Array) -> list[float]:
-  """Seconds of each call of one window; the carry is updated."""
-  programs, carry = entry["programs"], entry["carry"]
+def run_window(row: Row, tokens: jax.Array) -> list[float]:
+  """Seconds of each call of one window; ``row.carry`` updated."""
   times = []
-  for call in range(EVERY_K):
-    program = programs[call == EVERY_K - 1] if len(programs) == 2 else programs[None]
+  for apply in row.applies:
     start = time.perf_counter()
-    carry[:] = jax.block_until_ready(program(*carry, tokens))
+    row.carry[:] = jax.block_until_ready(row.programs[apply](*row.carry, tokens))
     times.append(time.perf_counter() - start)
   return times
 
 
-def measure(params: Any, tokens: jax.Array, rounds: int) -> list[dict[str, Any]]:
-  built = compile_rows(params, tokens)
-  names = list(built)
-  for name in names:
-    _window(built[name], tokens)  # the first calls allocate
-  windows: dict[str, list[list[float]]] = {name: [] for name in names}
-  for r in range(rounds):
-    for name in names[r % len(names):] + names[: r % len(names)]:  # rotate the order
-      windows[name].append(_window(built[name], tokens))
-  results = []
-  for name in names:
-    micro = [1e3 * t for w in windows[name] for t in w[:-1]]
-    results.append({
-        "row": name,
-        "micro_step_ms": statistics.median(micro),
-        "window_ms": statistics.median(1e3 * sum(w) for w in windows[name]),
-        "state_buffers": len(jax.tree.leaves(built[name]["carry"][1])),
-        **kernel_counts(micro_step_program(built[name]))._asdict(),
-        "leaf_copies": sum(not shape.endswith("[]")
-                           for shape in copied_shapes(micro_step_program(built[name]))),
-        "window_samples_ms": [[1e3 * t for t in w] for w in windows[name]],
-    })
-  return add_ratios(results)
-
-
-def add_ratios(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
-  """Each row's micro-step against both floors (time, fusions) and its window against
-  ``MultiSteps``' (the ratio of medians of the rows' interleaved rounds)."""
-  by_name = {r["row"]: r for r in results}
-  for row in results:
-    for key, floor in (("acc_floor", by_name[ACC_FLOOR]), ("floor", by_name[FLOOR])):
-      row[f"micro_step_to_{key}"] = row["micro_step_ms"] / floor["micro_step_ms"]
-      row[f"fusions_to_{key}"] = row["fusions"] / floor["fusions"]
-    row["window_to_multisteps"] = row["window_ms"] / by_name[MULTISTEPS]["window_ms"]
+def measure_rows(
+    params: Any, loss: Callable, tokens: jax.Array, *, every_k: int, rounds: int,
+    budget: Budget, names: Collection[str] | None = None,
+) -> dict[str, dict[str, Any]]:
+  """The rows (``names``; None: all) a window at a time, taking turns, each call the
+  gradient of ``tokens`` and the update: micro-step, last call, window, compile."""
+  results: dict[str, dict[str, Any]] = {}
+  rows: dict[str, Row] = {}
+  for name, candidate in across_candidates(every_k).items():
+    if names is not None and name not in names:
+      continue
+    if not budget.left("across_calls"):
+      results[name] = {"status": "skipped (budget)"}
+      continue
+    print(f"  {name}", flush=True)
+    try:
+      rows[name], results[name] = build_row(candidate, loss, params, tokens, every_k)
+      run_window(rows[name], tokens)  # warm-up: the first calls allocate
+    except Exception as e:
+      results[name] = {"status": report_failure(name, e)}
+      rows.pop(name, None)
+  windows: dict[str, list[list[float]]] = {name: [] for name in rows}
+  for order in rotations(rows, rounds):
+    for name in order:
+      windows[name].append(run_window(rows[name], tokens))
+  for name, timed in windows.items():
+    micro = [t for w in timed for t in w[:-1]]
+    results[name].update(
+        status="ok",
+        micro_step_ms=1e3 * statistics.median(micro),
+        last_call_ms=1e3 * statistics.median(w[-1] for w in timed),
+        window_ms=1e3 * statistics.median(sum(w) for w in timed),
+        call_ms_samples=[[1e3 * t for t in w] for w in timed],
+    )
   return results
 
 
-def table(results: list[dict[str, Any]]) -> str:
+def table(results: dict[str, dict[str, Any]]) -> str:
+  floor, acc_floor = results[FLOOR], results[ACC_FLOOR]
+  multisteps = results[MULTISTEPS_ADAMW]
+  rows = []
+  for name, r in results.items():
+    counts, fusions = r["micro_step_counts"], floor["micro_step_counts"]["fusions"]
+    rows.append([
+        name, f"{r['micro_step_ms']:.3f}", f"{r['micro_step_ms'] / floor['micro_step_ms']:.2f}",
+        f"{r['micro_step_ms'] / acc_floor['micro_step_ms']:.2f}", f"{r['window_ms']:.2f}",
+        f"{r['window_ms'] / multisteps['window_ms']:.2f}", counts["fusions"],
+        f"{counts['fusions'] / fusions:.2f}", f"{counts['copies']} ({counts['leaf_copies']})",
+        counts["conditionals"], r["state_buffers"]])
   return markdown_table(
       ["row", "micro-step ms", "/ interface's floor", "/ acc-only floor", "window ms",
        "window / MultiSteps", "fusions", "/ floor", "copies (of leaves)", "conditionals",
-       "state buffers"],
-      [[r["row"], f"{r['micro_step_ms']:.3f}", f"{r['micro_step_to_floor']:.2f}",
-        f"{r['micro_step_to_acc_floor']:.2f}", f"{r['window_ms']:.2f}",
-        f"{r['window_to_multisteps']:.2f}", r["fusions"], f"{r['fusions_to_floor']:.2f}",
-        f"{r['copies']} ({r['leaf_copies']})", r["conditionals"], r["state_buffers"]]
-       for r in results])
+       "state buffers"], rows)
 
 
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--quick", action="store_true", help="a few rounds")
+  parser.add_argument("--quick", action="store_true", help="3 rounds")
   parser.add_argument("--rounds", type=int, default=40, help="windows of each row (default 40)")
   args = parser.parse_args(argv)
   rounds = 3 if args.quick else args.rounds
   params = gpt2_tree()
   tokens = jax.random.randint(jax.random.key(1), (17,), 0, 128)
-  results = measure(params, tokens, rounds)
+  results = measure_rows(params, loss_fn, tokens, every_k=EVERY_K, rounds=rounds,
+                         budget=Budget(0))
   report = {"environment": environment(), "commit": git_commit(), "rounds": rounds,
             "every_k": EVERY_K, "leaves": len(jax.tree.leaves(params)), "rows": results}
   print(f"GPT-2-shaped, {report['leaves']} bfloat16 leaves, width 64: gradient of one"

@@ -1,57 +1,23 @@
 """Sharded parameters: per-device memory, collectives and step time against N.
 
-The model: a tanh MLP (``--activation relu`` for ReLU) of ``--num-layers`` weights
-of ``--width`` x ``--width`` float32 (4 x 1024 x 1024 by default), MSE, a batch of
-``--batch-size`` rows sharded over the data axes, on 8 CPU devices
-(``--xla_force_host_platform_device_count=8`` is set before jax is imported). For
-each N, side by side in one run:
-
-- ``hand-written scan``: what MaxText and Levanter write by hand: under plain
-  ``jax.jit``, the batch reshaped so that microbatch ``i`` holds rows ``i, i + N,
-  ...`` (a slice of every device's rows), a ``lax.scan`` whose gradient carry is
-  zeros constrained (``with_sharding_constraint``) to the parameters' shardings,
-  each microbatch's gradient added to it and the sum constrained again; XLA's
-  partitioner decides the rest. This is the reference of every ratio;
-- ``hand-written scan, activations constrained``: the same with a loss that
-  constrains the activations' rows to the data axes, as a sharding-aware model
-  does. On the CPU XLA then all-reduces each microbatch's whole gradient and
-  slices it (as it does for the unconstrained scan of a ReLU MLP);
-- ``hand-written shard_map``: the same written with explicit collectives: in
-  ``jax.shard_map`` over the data axes, the shards all-gathered, each
-  microbatch's gradient reduce-scattered (``psum_scatter``) into a shard;
-- ``accum_jax``: ``value_and_grad(..., data_parallel=DataParallel(mesh=mesh,
-  data_axis=..., param_sharding=specs))``, ``gather="per_microbatch"`` (the default);
-- ``accum_jax gather='once'``: the same with ``gather="once"``;
-- ``accum_jax, no param_sharding``: a ``DataParallel(mesh=...)`` and the sharded parameters under
-  ``jax.jit`` without ``param_sharding``: automatic axes hide the shardings from
-  the traced function, so the parameters count as replicated (the data-parallel
-  path: a full-size accumulator, one all-reduce);
-- ``accum_jax, no mesh, strided``: ``DataParallel(split="strided")``
-  without a mesh, the sharded parameters and batch under ``jax.jit``;
-- ``accum_jax, replicated parameters``: pure data parallelism.
-
-Layouts: FSDP, ``P("data", None)`` on a mesh of 8, for every N; at one N
-(``--layout-n``, 8) also HSDP, ``P("fsdp", None)`` on a ``(replica 2, fsdp 4)``
-mesh with the batch over both axes, and FSDP x tensor on ``(data 4, model 2)``,
-the weights alternately ``P("data", "model")`` and ``P("model", "data")``.
-
-Measured per device: ``compiled.memory_analysis()`` (temp + output, arguments);
-the while loop's carry (the arrays the loop updates: the accumulator; the ones
-it only passes on: gathered parameters and the batch); the collectives
-(``accum_jax.testing.collectives``) per microbatch (in the loop and not in a
-rarely taken branch) and outside the loop, with their mesh axes and the bytes a
-ring sends; ``MiB sent per step`` = N x per microbatch + outside; the step time
-(every case taking turns, ``--rounds`` rounds, median and quartiles); the
-gradient's largest relative deviation from the one-device full batch. Where XLA
-drops a loop of one iteration (the hand-written scan at N=1), everything counts
-as outside.
+On 8 CPU devices (set before jax is imported), a tanh MLP (``--activation relu``) of 4
+float32 weights of 1024 x 1024 and a batch of 256 rows sharded over the data axes, for
+each N side by side: the hand-written scan (microbatch ``i`` rows ``i, i + N, ...``, the
+gradient carry constrained to the parameters' shardings: the reference), the same with
+the activations constrained, a hand-written ``shard_map`` (``psum_scatter``), and
+``accum_jax.value_and_grad`` with ``DataParallel(mesh, param_sharding=...)``, with
+``gather="once"``, without ``param_sharding``, without a mesh (``split="strided"``) and
+with replicated parameters; FSDP on 8 devices for every N, and at ``--layout-n`` HSDP
+(replica 2, fsdp 4) and FSDP x tensor (data 4, model 2). Per device: XLA's
+``memory_analysis()``, the while loop's carry (what it updates: the accumulator), the
+collectives per microbatch and outside the loop with the bytes a ring sends, the step
+time (interleaved rounds), and the gradient's deviation from one device's.
+``loop_carry`` and ``explicit_groups`` are read by tests/test_cost_model.py too.
 
 Run from the repository root::
 
   python bench/bench_sharded.py            # full run, about 10 minutes on 2 busy CPU cores
   python bench/bench_sharded.py --quick    # smoke run: a small model, N in 1 and 4 (~35 s)
-  python bench/bench_sharded.py --explicit # only JAX's unreduced-carry recipe against
-                                           # accum_jax, explicit mesh axes (~3.5 minutes)
 """
 
 from __future__ import annotations
@@ -68,22 +34,17 @@ import argparse
 import collections
 import dataclasses
 import re
-import shutil
 import statistics
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import jax
 import jax.flatten_util
 import jax.numpy as jnp
 import numpy as np
-import sharded_model
 from _common import (
-    RESULTS_DIR,
-    cost_analysis,
     environment,
     markdown_table,
     memory_analysis_dict,
@@ -108,13 +69,17 @@ DP = "accum_jax, replicated parameters"
 METHODS = (HAND, HAND_ACT, SHARD_MAP, FSDP, ONCE, AUTO, STRIDED, DP)
 LAYOUT_METHODS = (HAND, HAND_ACT, SHARD_MAP, FSDP, ONCE)  # for HSDP and FSDP x tensor
 
-# name -> (mesh shape, mesh axes, data axes)
-LAYOUTS: dict[str, tuple[tuple[int, ...], tuple[str, ...], tuple[str, ...]]] = {
-    "fsdp": ((8,), ("data",), ("data",)),
-    "hsdp": ((2, 4), ("replica", "fsdp"), ("replica", "fsdp")),
-    "fsdp x tensor": ((4, 2), ("data", "model"), ("data",)),
+# name -> (mesh shape, mesh axes, data axes, weight i's spec, and the spec a
+# sharding-aware model gives its activations after layer i: rows over the data axes,
+# features over the tensor axis after a column split).
+LAYOUTS: dict[str, tuple[tuple[int, ...], tuple[str, ...], tuple[str, ...], Any, Any]] = {
+    "fsdp": ((8,), ("data",), ("data",), lambda i: P("data", None), lambda i: P("data", None)),
+    "hsdp": ((2, 4), ("replica", "fsdp"), ("replica", "fsdp"), lambda i: P("fsdp", None),
+             lambda i: P(("replica", "fsdp"), None)),
+    "fsdp x tensor": ((4, 2), ("data", "model"), ("data",),
+                      lambda i: P("data", "model") if i % 2 == 0 else P("model", "data"),
+                      lambda i: P("data", "model") if i % 2 == 0 else P("data", None)),
 }
-DOCS_PLOT = Path(__file__).resolve().parent.parent / "docs" / "sharded.png"
 _MIB = 2**20
 _KINDS = {"all-reduce": "AR", "reduce-scatter": "RS", "all-gather": "AG", "all-to-all": "A2A",
           "collective-permute": "CP"}
@@ -131,26 +96,6 @@ class Problem(NamedTuple):
   sharded: tuple[Any, Any]  # (parameters, batch), placed
   replicated: tuple[Any, Any]  # the parameters replicated, the batch as above
   reference: Any  # (value, grads) of the full batch on one device
-
-
-def weight_specs(layout: str, num_layers: int) -> dict[str, P]:
-  """Each weight's ``PartitionSpec`` in ``layout``."""
-  def spec(i):
-    if layout == "hsdp":
-      return P("fsdp", None)
-    if layout == "fsdp x tensor":
-      return P("data", "model") if i % 2 == 0 else P("model", "data")
-    return P("data", None)
-  return {f"w{i}": spec(i) for i in range(num_layers)}
-
-
-def activation_spec(layout: str, data_axes: tuple[str, ...]) -> Callable[[int], P]:
-  """The spec a sharding-aware model gives its activations after layer ``i``: rows
-  over the data axes (and features over the tensor axis after a column split)."""
-  rows = data_axes[0] if len(data_axes) == 1 else data_axes
-  if layout == "fsdp x tensor":
-    return lambda i: P(rows, "model") if i % 2 == 0 else P(rows, None)
-  return lambda i: P(rows, None)
 
 
 # The hidden layers' nonlinearity (--activation). It changes the hand-written scan's
@@ -174,15 +119,14 @@ def loss_fn(params: Any, batch: Any, act: Callable[[int], Any] | None = None) ->
 
 
 def make_problem(layout: str, width: int, num_layers: int, batch_size: int) -> Problem:
-  shape, names, data_axes = LAYOUTS[layout]
+  shape, names, data_axes, weight_spec, act_spec = LAYOUTS[layout]
   mesh = jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(names))
   rng = np.random.default_rng(0)
   params = {f"w{i}": (rng.standard_normal((width, width)) / np.sqrt(width)).astype(np.float32)
             for i in range(num_layers)}
   batch = {"x": rng.standard_normal((batch_size, width)).astype(np.float32),
            "y": rng.standard_normal((batch_size, width)).astype(np.float32)}
-  specs = weight_specs(layout, num_layers)
-  act_spec = activation_spec(layout, data_axes)
+  specs = {f"w{i}": weight_spec(i) for i in range(num_layers)}
   placed_batch = jax.device_put(batch, NamedSharding(mesh, P(data_axes)))
   sharded = jax.device_put(params, {k: NamedSharding(mesh, s) for k, s in specs.items()})
   replicated = jax.device_put(params, NamedSharding(mesh, P()))
@@ -198,11 +142,10 @@ def make_problem(layout: str, width: int, num_layers: int, batch_size: int) -> P
 def hand_written_scan(
     problem: Problem, n: int, constrain_activations: bool = False
 ) -> Callable[..., Any]:
-  """A ``lax.scan`` under ``jax.jit`` with the gradient carry constrained to the
-  parameters' shardings: the sharded accumulation MaxText and Levanter write.
-  ``constrain_activations``: the model also constrains its activations (rows over
-  the data axes), as a sharding-aware model does; XLA then partitions the
-  gradient's reduction differently (a whole-gradient all-reduce on the CPU)."""
+  """The sharded accumulation MaxText and Levanter write: a ``lax.scan`` under ``jax.jit``,
+  the gradient carry constrained to the parameters' shardings; ``constrain_activations``:
+  the model's activations' rows constrained to the data axes too, as a sharding-aware
+  model does (XLA then all-reduces each microbatch's whole gradient on the CPU)."""
   act = problem.act if constrain_activations else None
   mesh = problem.mesh
   shardings = {k: NamedSharding(mesh, s) for k, s in problem.specs.items()}
@@ -272,91 +215,6 @@ def hand_written_shard_map(problem: Problem, n: int) -> Callable[..., Any]:
       per_device, mesh=mesh, in_specs=(local, P(axes)), out_specs=(P(), local),
       axis_names=set(axes), check_vma=False,
   ))
-
-
-# Explicit mesh axes (--explicit): JAX's own recipe for microbatched accumulation
-# ("Autodiff and sharding", docs.jax.dev/en/latest/301/sharding-ad.html, section
-# "Example: microbatch gradient accumulation") against accum_jax on the same mesh.
-X_RECIPE = "JAX recipe: reduced parameters, unreduced carry"
-X_REPLICATED = "JAX recipe's contrast: replicated parameters"
-X_RECIPE_FSDP = "JAX recipe carried to FSDP: gathered to reduced once"
-X_ACCUM = "accum_jax"
-X_ONCE = "accum_jax gather='once'"
-X_DP, X_FSDP = "explicit, data parallel", "explicit, fsdp"
-EXPLICIT_METHODS = {X_DP: (X_RECIPE, X_REPLICATED, X_ACCUM),
-                    X_FSDP: (X_RECIPE_FSDP, X_ACCUM, X_ONCE)}
-
-
-def explicit_problem(width: int, num_layers: int, batch_size: int) -> Problem:
-  """The FSDP problem on a mesh of 8 with an explicit data axis: ``sharded`` has the
-  weights ``P("data", None)``, ``replicated`` has them ``P()``."""
-  base = make_problem("fsdp", width, num_layers, batch_size)
-  mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
-  params, batch = jax.device_get(base.replicated)
-  placed_batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
-  sharded = jax.device_put(params, {k: NamedSharding(mesh, s) for k, s in base.specs.items()})
-  replicated = jax.device_put(params, NamedSharding(mesh, P()))
-  return base._replace(layout="explicit", mesh=mesh, act=None, sharded=(sharded, placed_batch),
-                       replicated=(replicated, placed_batch))
-
-
-def _strided(x: jax.Array, n: int) -> jax.Array:
-  """``[rows@data, ...]`` to ``[n, rows / n @data, ...]``, microbatch ``i`` holding rows
-  ``i, i + n, ...`` (a slice of every device's rows): a reshape on each device."""
-  return x.reshape(x.shape[0] // n, n, *x.shape[1:]).swapaxes(0, 1)
-
-
-def jax_unreduced_recipe(problem: Problem, n: int, fsdp: bool = False) -> Callable[..., Any]:
-  """JAX's recipe: the parameters cast to ``reduced`` over the data axis (free: the
-  cast's transpose is the all-reduce), so each microbatch's gradient is ``unreduced``
-  (per-device partial sums), the scan's carry stays unreduced, and one reshard after
-  the loop is the step's only gradient all-reduce.
-
-  The docs place the parameters ``reduced`` with ``device_put``; here the step casts
-  replicated ones (the docs' ``loss2``), so it takes the same arguments as accum_jax.
-  ``fsdp``: the docs give no FSDP form; the natural one casts the sharded
-  parameters to reduced once before the loop (a full copy on each device, as
-  ``gather="once"``) and reshards the unreduced sum back to their sharding."""
-  data = set(problem.data_axes)
-
-  def step(params, batch):
-    specs = jax.tree.map(lambda w: jax.typeof(w).sharding.spec, params)
-    params = jax.tree.map(lambda w: jax.reshard(w, P(reduced=data)), params)
-
-    def microbatch_step(carry, microbatch):
-      total, grad_acc = carry
-      value, grads = jax.value_and_grad(loss_fn)(params, microbatch)
-      assert all(jax.typeof(g).sharding.spec.unreduced == data for g in jax.tree.leaves(grads))
-      return (total + value, jax.tree.map(jnp.add, grad_acc, grads)), None
-
-    grad_acc = jax.tree.map(
-        lambda w: jax.reshard(jnp.zeros_like(w), P(unreduced=data)), params)
-    (total, grad_acc), _ = jax.lax.scan(
-        microbatch_step, (jnp.float32(0), grad_acc),
-        jax.tree.map(lambda x: _strided(x, n), batch))
-    grads = jax.tree.map(lambda g, s: jax.reshard(g, s), grad_acc,
-                         specs if fsdp else jax.tree.map(lambda _: P(), specs))
-    return total / n, jax.tree.map(lambda g: g / n, grads)
-
-  return jax.jit(step)
-
-
-def jax_replicated_recipe(problem: Problem, n: int) -> Callable[..., Any]:
-  """The docs' contrast: the same scan with replicated parameters, whose gradient is
-  replicated, so each microbatch's backward pass all-reduces its own."""
-  def step(params, batch):
-    def microbatch_step(carry, microbatch):
-      total, grad_acc = carry
-      value, grads = jax.value_and_grad(loss_fn)(params, microbatch)
-      return (total + value, jax.tree.map(jnp.add, grad_acc, grads)), None
-
-    grad_acc = jax.tree.map(jnp.zeros_like, params)
-    (total, grad_acc), _ = jax.lax.scan(
-        microbatch_step, (jnp.float32(0), grad_acc),
-        jax.tree.map(lambda x: _strided(x, n), batch))
-    return total / n, jax.tree.map(lambda g: g / n, grad_acc)
-
-  return jax.jit(step)
 
 
 def build(method: str, problem: Problem, n: int) -> tuple[Callable[..., Any], tuple[Any, Any]]:
@@ -473,14 +331,12 @@ _MESH_GROUPS = re.compile(
 
 
 def explicit_groups(hlo_text: str) -> str:
-  """``hlo_text`` with replica groups written as ``mesh[...], device_ids=(...) {...}``
-  spelt out as lists of device ids.
-
-  ``accum_jax.testing.collectives`` (as of this writing) reads the ``mesh[...]
-  {...}`` form only without ``device_ids``, and takes a collective it cannot read
-  as a group of one that sends nothing; XLA writes this form for the hand-written
-  scan on the HSDP mesh. ``tests/test_cost_model.py`` holds the failing case.
+  """``hlo_text`` with its ``replica_groups=mesh[...], device_ids=(...) {...}`` spelt out
+  as lists of device ids: ``accum_jax.testing.collectives`` reads the ``mesh[...]`` form
+  only without ``device_ids`` (XLA writes it for the scan on the HSDP mesh), and takes a
+  collective it cannot read for a group of one; tests/test_cost_model.py holds the case.
   """
+
   def spelt_out(m: re.Match[str]) -> str:
     sizes = [(a, int(s)) for a, s in re.findall(r"'([^']+)'=(\d+)", m.group("axes"))]
     ids = np.arange(int(np.prod([int(d) for d in m.group("dims").split(",")])))
@@ -531,12 +387,9 @@ def relative_deviation(out: Any, reference: Any) -> float:
   return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
 
 
-def measure(method: str, problem: Problem, n: int,
-            built: tuple[Callable[..., Any], tuple[Any, Any]] | None = None,
-            ) -> tuple[dict[str, Any], Callable[[], Any]]:
-  """Compiles one case (``built``: its jitted step and arguments, else ``build``'s);
-  its static figures and a call for the timing."""
-  jitted, args = built or build(method, problem, n)
+def measure(method: str, problem: Problem, n: int) -> tuple[dict[str, Any], Callable[[], Any]]:
+  """Compiles one case: its static figures, and a call for the timing."""
+  jitted, args = build(method, problem, n)
   start = time.perf_counter()
   compiled = jitted.lower(*args).compile()
   compile_seconds = time.perf_counter() - start
@@ -545,56 +398,12 @@ def measure(method: str, problem: Problem, n: int,
   carry = loop_carry(text)
   record = {
       "layout": problem.layout, "method": method, "num_microbatches": n,
-      "memory_analysis": memory,
+      "memory_analysis": memory, "argument_bytes": memory["argument_bytes"],
       "temp_output_bytes": memory["temp_bytes"] + memory["output_bytes"],
-      "argument_bytes": memory["argument_bytes"],
-      "carry": carry._asdict() if carry else None,
+      "carry": carry._asdict() if carry else None, "compile_seconds": compile_seconds,
       "collectives": summarise_collectives(collectives(explicit_groups(text), problem.mesh), n),
-      "flops": cost_analysis(compiled).get("flops"),
-      "compile_seconds": compile_seconds,
-      "deviation": relative_deviation(compiled(*args), problem.reference),
-  }
+      "deviation": relative_deviation(compiled(*args), problem.reference)}
   return record, lambda: compiled(*args)
-
-
-def model_cost(layout: str, method: str, n: int, width: int, num_layers: int) -> Any:
-  """The cost model's figures for a case it describes, else None."""
-  mode = {FSDP: "fsdp", ONCE: "gather once", DP: "data parallel"}.get(method)
-  if mode is None or (layout != "fsdp" and method == DP):
-    return None
-  if layout == "hsdp" and mode == "fsdp":
-    mode = "hsdp"
-  if layout == "fsdp x tensor" and mode == "fsdp":
-    mode = "fsdp x tensor"
-  if layout != "fsdp" and mode == "gather once":
-    return None
-  shape, _, data_axes = LAYOUTS[layout]
-  mesh = dict(zip(LAYOUTS[layout][1], shape))
-  return sharded_model.cost(mode, sharded_model.Layout(
-      params=num_layers * width * width, data=int(np.prod([mesh[a] for a in data_axes])),
-      replicas=mesh.get("replica", 1), tensor=mesh.get("model", 1), microbatches=n))
-
-
-def goals(records: dict[tuple[str, str, int], dict[str, Any]], ns: list[int],
-          param_bytes: int) -> list[dict[str, Any]]:
-  """The issue's figures for FSDP: memory and collectives against the hand-written scan."""
-  out = []
-  for n in ns:
-    hand, ours = records["fsdp", HAND, n], records["fsdp", FSDP, n]
-    ratio = ours["temp_output_bytes"] / hand["temp_output_bytes"]
-    accumulator = ours["carry"]["updated_bytes"] if ours["carry"] else None
-    out.append({
-        "num_microbatches": n,
-        "memory_vs_hand_written": ratio,
-        "memory_met": ratio <= 1.0,
-        "accumulator_bytes": accumulator,
-        "full_size_accumulator": accumulator is not None and accumulator >= param_bytes,
-        "per_microbatch_count": (ours["collectives"]["per_microbatch_count"],
-                                 hand["collectives"]["per_microbatch_count"]),
-        "per_microbatch_bytes": (ours["collectives"]["per_microbatch_bytes"],
-                                 hand["collectives"]["per_microbatch_bytes"]),
-    })
-  return out
 
 
 def _mib(x: float) -> str:
@@ -623,130 +432,13 @@ def report(records, seconds, samples) -> None:
       ])
     if not rows:
       continue
-    shape, names, _ = LAYOUTS[layout]
+    shape, names = LAYOUTS[layout][:2]
     print(f"\n{layout}: mesh {dict(zip(names, shape))}; per device; MiB")
     print(markdown_table(
         ["N", "method", "temp + output", "vs hand-written scan", "arguments",
          "accumulator (loop carry)", "collectives per microbatch", "sent per microbatch",
          "outside the loop", "sent per step", "step ms (median [q1, q3])",
-         "time vs hand-written scan", "max grad deviation"],
-        rows,
-    ))
-
-
-def plot(config: dict[str, Any], records: dict[tuple[str, str, int], dict[str, Any]],
-         path: Path) -> None:
-  import matplotlib
-
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
-  ns = config["ns"]
-  fig, (mem_ax, sent_ax) = plt.subplots(1, 2, figsize=(11, 4.2), dpi=100)
-  styles = {HAND: ("black", "o", "-"), HAND_ACT: ("dimgray", "o", "--"),
-            SHARD_MAP: ("gray", "x", ":"),
-            FSDP: ("tab:green", "^", "-"), ONCE: ("tab:olive", "v", "--"),
-            AUTO: ("tab:red", "s", "--"), STRIDED: ("tab:purple", "D", ":"),
-            DP: ("tab:blue", "P", "-.")}
-  for method, (color, marker, line) in styles.items():
-    memory = [(records["fsdp", method, n]["temp_output_bytes"]
-               + records["fsdp", method, n]["argument_bytes"]) / _MIB for n in ns]
-    sent = [records["fsdp", method, n]["collectives"]["per_step_bytes"] / _MIB for n in ns]
-    mem_ax.plot(ns, memory, color=color, marker=marker, linestyle=line, label=method)
-    sent_ax.plot(ns, sent, color=color, marker=marker, linestyle=line, label=method)
-  for ax, ylabel in ((mem_ax, "per-device temp + output + arguments (MiB)"),
-                     (sent_ax, "per-device MiB sent per step (ring)")):
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(ns, [str(n) for n in ns])
-    ax.set_xlabel("number of microbatches N")
-    ax.set_ylabel(ylabel)
-    ax.grid(True, alpha=0.3)
-  mem_ax.set_ylim(bottom=0)
-  sent_ax.set_yscale("log", base=2)
-  mem_ax.set_title("memory of one step (compiled memory_analysis)", fontsize=10)
-  sent_ax.set_title("bytes each device sends (collectives in the HLO)", fontsize=10)
-  mem_ax.legend(fontsize=7)
-  fig.suptitle(
-      f"{config['num_layers']} x {config['width']}^2 float32 weights sharded P('data', None)"
-      f" over 8 CPU devices (replicated for the data-parallel line), batch"
-      f" {config['batch_size']}", fontsize=10)
-  fig.tight_layout()
-  path.parent.mkdir(parents=True, exist_ok=True)
-  fig.savefig(path, dpi=100)
-  plt.close(fig)
-
-
-def build_explicit(layout: str, method: str, problem: Problem,
-                   n: int) -> tuple[Callable[..., Any], tuple[Any, Any]]:
-  """The jitted step of an explicit-axes row and its arguments."""
-  args = problem.replicated if layout == X_DP else problem.sharded
-  if method in (X_RECIPE, X_RECIPE_FSDP):
-    return jax_unreduced_recipe(problem, n, fsdp=layout == X_FSDP), args
-  if method == X_REPLICATED:
-    return jax_replicated_recipe(problem, n), args
-  gather = "once" if method == X_ONCE else "per_microbatch"
-  return jax.jit(accum_jax.value_and_grad(loss_fn, n,
-      data_parallel=accum_jax.DataParallel(
-          mesh=problem.mesh, data_axis="data", gather=gather))), args
-
-
-def run_explicit(args: argparse.Namespace) -> int:
-  """``--explicit``: JAX's recipe against accum_jax under one Explicit-axes mesh."""
-  start = time.perf_counter()
-  problem = explicit_problem(args.width, args.num_layers, args.batch_size)
-  cases = [(layout, m, n) for n in args.ns for layout, ms in EXPLICIT_METHODS.items()
-           for m in ms]
-  records, calls, grads = {}, {}, {}
-  with jax.set_mesh(problem.mesh):
-    for layout, method, n in cases:
-      built = build_explicit(layout, method, problem, n)
-      record, call = measure(method, problem, n, built)
-      records[layout, method, n] = {**record, "layout": layout}
-      calls[layout, method, n] = call
-      grads[layout, method, n] = jax.device_get(call()[1])
-    samples = time_interleaved(calls, rounds=args.rounds)
-  flat = jax.flatten_util.ravel_pytree
-  rows = []
-  for (layout, method, n), r in records.items():
-    recipe = flat(grads[layout, EXPLICIT_METHODS[layout][0], n])[0]
-    ours = flat(grads[layout, method, n])[0]
-    r["vs_recipe"] = float(np.max(np.abs(ours - recipe)) / np.max(np.abs(recipe)))
-    r["step_seconds"] = statistics.median(samples[layout, method, n])
-    r["step_seconds_quartiles"] = quartiles(samples[layout, method, n])
-    c = r["collectives"]
-    q1, q3 = r["step_seconds_quartiles"]
-    rows.append([
-        n, layout.removeprefix("explicit, "), method, _mib(r["temp_output_bytes"]),
-        _mib(r["argument_bytes"]),
-        _mib(r["carry"]["updated_bytes"]) if r["carry"] else "-",
-        c["per_microbatch"] or "-", _mib(c["per_microbatch_bytes"]),
-        c["outside"] or "-", _mib(c["outside_bytes"]), _mib(c["per_step_bytes"]),
-        f"{1e3 * r['step_seconds']:.0f} [{1e3 * q1:.0f}, {1e3 * q3:.0f}]",
-        f"{r['vs_recipe']:.1e}", f"{r['deviation']:.1e}",
-    ])
-  param_bytes = args.num_layers * args.width**2 * 4
-  config = {
-      "width": args.width, "num_layers": args.num_layers, "batch_size": args.batch_size,
-      "ns": args.ns, "rounds": args.rounds, "quick": args.quick,
-      "activation": args.activation, "param_bytes": param_bytes,
-      "mesh": {"data": 8}, "axis_types": "Explicit", "command": " ".join(sys.argv),
-      "environment": environment(), "total_seconds": time.perf_counter() - start,
-  }
-  print(f"{args.num_layers} x {args.width} x {args.width} float32 weights"
-        f" ({param_bytes / _MIB:.0f} MiB), batch {args.batch_size}; mesh (data 8,"
-        f" Explicit); {args.rounds} interleaved rounds; {config['total_seconds']:.0f} s;"
-        " per device; MiB")
-  print(markdown_table(
-      ["N", "layout", "method", "temp + output", "arguments", "accumulator (loop carry)",
-       "collectives per microbatch", "sent per microbatch", "outside the loop",
-       "sent outside", "sent per step", "step ms (median [q1, q3])",
-       "grad vs recipe (max rel.)", "grad vs one device (max rel.)"],
-      rows,
-  ))
-  name = args.name or ("sharded_explicit_quick" if args.quick else "sharded_explicit")
-  path = write_json(name, {"config": config, "results": list(records.values())})
-  print(f"\nwrote {path}")
-  return 0
+         "time vs hand-written scan", "max grad deviation"], rows))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -761,11 +453,8 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--rounds", type=int, default=7, help="timed calls of each (median)")
   parser.add_argument("--quick", action="store_true",
                       help="smoke run: width 128, 2 layers, batch 64, N in 1 and 4, 2 rounds")
-  parser.add_argument("--name", default=None, help="results bench/results/<name>.json/.png"
+  parser.add_argument("--name", default=None, help="results bench/results/<name>.json"
                       " (default: sharded, or sharded_quick with --quick)")
-  parser.add_argument("--explicit", action="store_true",
-                      help="only JAX's unreduced-carry recipe against accum_jax on a mesh of"
-                      " 8 with an explicit data axis (results sharded_explicit.json)")
   args = parser.parse_args(argv)
   global activation
   activation = ACTIVATIONS[args.activation]
@@ -777,8 +466,6 @@ def main(argv: list[str] | None = None) -> int:
   if len(jax.devices()) < 8:
     sys.exit(f"8 devices are needed, there are {len(jax.devices())}: set XLA_FLAGS="
              "--xla_force_host_platform_device_count=8 before jax is imported.")
-  if args.explicit:
-    return run_explicit(args)
   name = args.name or ("sharded_quick" if args.quick else "sharded")
   start = time.perf_counter()
   size = (args.width, args.num_layers, args.batch_size)
@@ -799,43 +486,18 @@ def main(argv: list[str] | None = None) -> int:
     r["time_vs_hand_written"] = seconds[layout, method, n] / seconds[layout, HAND, n]
     r["memory_vs_hand_written"] = (r["temp_output_bytes"]
                                    / records[layout, HAND, n]["temp_output_bytes"])
-    cost = model_cost(layout, method, n, args.width, args.num_layers)
-    r["model"] = None if cost is None else {**cost._asdict(), "sent_per_step": cost.sent_per_step}
   config = {
       "width": args.width, "num_layers": args.num_layers, "batch_size": args.batch_size,
       "ns": args.ns, "layout_n": args.layout_n, "rounds": args.rounds, "quick": args.quick,
-      "activation": args.activation,
-      "param_bytes": param_bytes, "command": " ".join(sys.argv),
+      "activation": args.activation, "param_bytes": param_bytes, "command": " ".join(sys.argv),
       "environment": environment(), "compile_seconds": compile_seconds,
-      "total_seconds": time.perf_counter() - start,
-  }
+      "total_seconds": time.perf_counter() - start}
   print(f"{args.num_layers} x {args.width} x {args.width} float32 weights"
         f" ({param_bytes / _MIB:.0f} MiB), batch {args.batch_size}; 8 CPU devices;"
         f" {args.rounds} interleaved rounds; {config['total_seconds']:.0f} s")
   report(records, seconds, samples)
-  found = goals(records, args.ns, param_bytes)
-  print("\nFSDP against the hand-written scan (goal: memory <= 1.00x, no full-size float32"
-        " accumulator, collectives per microbatch no more than its):")
-  print(markdown_table(
-      ["N", "temp + output vs hand-written", "accumulator MiB", "full-size accumulator",
-       "collectives per microbatch (accum_jax / hand-written)", "MiB sent per microbatch"],
-      [[g["num_microbatches"], f"{g['memory_vs_hand_written']:.2f}x",
-        _mib(g["accumulator_bytes"] or 0), "yes" if g["full_size_accumulator"] else "no",
-        "{} / {}".format(*g["per_microbatch_count"]),
-        "{} / {}".format(*(_mib(b) for b in g["per_microbatch_bytes"]))] for g in found],
-  ))
-  path = write_json(name, {
-      "config": config,
-      "results": list(records.values()),
-      "goals": found,
-  })
-  png = RESULTS_DIR / f"{name}.png"
-  plot(config, records, png)
-  written = [path, png]
-  if not args.quick and args.name is None and args.activation == "tanh":
-    shutil.copyfile(png, DOCS_PLOT)
-    written.append(DOCS_PLOT)
-  print(f"\nwrote {', '.join(str(p) for p in written)}")
+  path = write_json(name, {"config": config, "results": list(records.values())})
+  print(f"\nwrote {path}")
   return 0
 
 

@@ -1,119 +1,99 @@
-"""Inside one step: each way of taking a batch's gradient timed, compiled, checked, measured.
+"""Inside one step: the ways of taking a batch's gradient, timed, compiled and checked;
+and the largest batch that fits.
 
-For each number of microbatches N and microbatch size ``micro``: the step time of
-each method (:mod:`gpu_methods`), the methods taking turns in rounds in this
-process (``_common.time_interleaved``), median; its compile time and XLA's static
-``memory_analysis()``; the door's loss and gradient against the hand-written
-scan's; and the peak memory of one step, each (method, N, micro) in a fresh
-process (``_common.fresh_process_peak``: the GPU allocator's peak over what was in
-use before the step; on CPU the resident-set growth). A method that runs out of
-memory is recorded as OOM and the others go on.
+Each way turns a loss and N into ``value_and_grad(params, tokens)`` for N x micro
+sequences: the hand-written scan (the reference), ``accum_jax.value_and_grad`` by
+default, with ``on_nonfinite="skip_microbatch"`` and with ``"unchecked"``, and the full
+batch. Per (N, micro), after a warm-up compile of one microbatch's gradient per
+microbatch size (the process's one-time set-up and a shape's first kernel tuning fall
+on no way): each compiled, run once and checked against the scan, then timed in
+interleaved rounds; one that runs out of memory is recorded OOM and the others go on.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import statistics
-import subprocess
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 from _common import (
-    fresh_process_peak,
+    Budget,
+    error_status,
+    hand_written_scan,
     memory_analysis_dict,
     quartiles,
+    report_failure,
     time_interleaved,
 )
-from gpu_budget import Budget
-from gpu_failures import error_status, report_failure, worker_status
-from gpu_methods import ACCUM, FULL, METHODS, SCAN, compare, compile_timed
-from gpu_model import GPT2_SMALL, TINY, Config, make_loss, make_model, make_tokens
+from models import Config, make_tokens
 
-# --quick: the (N, micro) pairs inside a step.
-QUICK_PAIRS = ((8, 1), (8, 4), (16, 1))
+import accum_jax
 
-_MIB = 2**20
+SCAN = "lax.scan"
+DEFAULT = "default"
+MICROBATCH = "on_nonfinite='skip_microbatch'"
+NO_SKIP = "on_nonfinite='unchecked'"
+FULL = "full batch"
+ACCUM = "accum_jax"  # the default, in the fit section
+CHECKED = (DEFAULT, MICROBATCH, NO_SKIP)  # against the scan
+# The scan first: the reference of every ratio.
+METHODS: dict[str, Callable[[Callable, int], Callable]] = {
+    SCAN: hand_written_scan,
+    DEFAULT: lambda loss, n: accum_jax.value_and_grad(loss, n),
+    MICROBATCH: lambda loss, n: accum_jax.value_and_grad(loss, n, on_nonfinite="skip_microbatch"),
+    NO_SKIP: lambda loss, n: accum_jax.value_and_grad(loss, n, on_nonfinite="unchecked"),
+    FULL: lambda loss, n: jax.value_and_grad(loss),
+}
+QUICK_PAIRS = ((8, 1), (8, 4), (16, 1))  # --quick's N x micro
 
-
-def step_configurations(ns: list[int], micros: list[int], max_batch: int):
-  """The (N, micro) pairs with N x micro <= max_batch, smallest batch first; and the rest."""
-  pairs = [(n, m) for n in ns for m in micros]
-  kept = sorted((p for p in pairs if p[0] * p[1] <= max_batch), key=lambda p: (p[0] * p[1], p))
-  return kept, [p for p in pairs if p[0] * p[1] > max_batch]
-
-
-# Peak memory, a fresh process per (method, N, micro).
-
-
-def build_step(
-    method: str, num_microbatches: int, micro: int, tiny: bool, attention: str
-) -> tuple[Any, tuple[Any, Any]]:
-  """The jitted step of one (method, N, micro) and its arguments: the peak worker's builder."""
-  config = TINY if tiny else GPT2_SMALL
-  graphdef, params = make_model(config, attention)
-  step = jax.jit(METHODS[method](make_loss(graphdef), num_microbatches))
-  return step, (params, make_tokens(num_microbatches * micro, config))
+# The door against the hand-written scan: both sum the same bfloat16 microbatch
+# gradients in float32 and cast the mean to bfloat16, so they differ by the rounding
+# of that cast and the order of the sums: a few bfloat16 ulps (2**-8 relative) of a
+# leaf's largest entry at most.
+GRAD_RTOL = 2e-2
+LOSS_RTOL = 1e-4  # the loss is float32 on both sides
 
 
-def memory_jobs(pairs: list[tuple[int, int]]) -> list[tuple[str, int, int]]:
-  """(method, N, micro) to measure; the full batch once per batch size."""
-  jobs, batches = [], set()
-  for n, micro in pairs:
-    jobs += [(ACCUM, n, micro), (SCAN, n, micro)]
-    if n * micro not in batches:
-      batches.add(n * micro)
-      jobs.append((FULL, 1, n * micro))
-  return jobs
+def compile_timed(fn: Callable, *args: Any) -> tuple[Any, float]:
+  """``jax.jit(fn)`` lowered and compiled for ``args``, and the seconds that took."""
+  start = time.perf_counter()
+  compiled = jax.jit(fn).lower(*args).compile()
+  return compiled, time.perf_counter() - start
 
 
-def measure_memory(
-    jobs: list[tuple[str, int, int]], *, tiny: bool, attention: str, workers: int,
-    budget: Budget, timeout: float,
-) -> dict[tuple[str, int, int], dict[str, Any]]:
-  def one(job):
-    method, n, micro = job
-    if not budget.left("memory"):
-      return {"status": "skipped (budget)"}
-    config = {"method": method, "num_microbatches": n, "micro": micro, "tiny": tiny,
-              "attention": attention}
-    try:
-      result = fresh_process_peak("gpu_step:build_step", config, timeout=timeout)
-    except (RuntimeError, subprocess.TimeoutExpired) as e:
-      status = worker_status(e)
-      print(f"  peak {method} N={n} micro={micro}: {status}", flush=True)
-      return {"status": status}
-    print(f"  peak {method} N={n} micro={micro}: {result['step_peak_bytes'] / _MIB:.1f} MiB"
-          f"{' (masked)' if result.get('masked') else ''}", flush=True)
-    return {"status": "ok", **result}
-
-  with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
-    return dict(zip(jobs, pool.map(one, jobs)))
+def rel_diff(a: Any, b: Any) -> float:
+  """The largest |a - b| of any leaf, relative to the largest |b| of that leaf, in float32."""
+  worst = 0.0
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
+    worst = max(worst, float(np.max(np.abs(x - y))) / (float(np.max(np.abs(y))) or 1.0))
+  return worst
 
 
-# Time, compile time and exactness, in this process.
+def compare(out: tuple[Any, Any], reference: tuple[Any, Any], *,
+            check: bool = True) -> dict[str, Any]:
+  """Loss and gradient against a reference; ``check``: with the verdict (``match``)."""
+  result = {"loss": float(out[0]), "reference_loss": float(reference[0]),
+            "loss_rel_diff": rel_diff(out[0], reference[0]),
+            "grad_max_rel_diff": rel_diff(out[1], reference[1])}
+  if check:
+    result["match"] = (result["loss_rel_diff"] <= LOSS_RTOL
+                       and result["grad_max_rel_diff"] <= GRAD_RTOL)
+  return result
 
 
 def measure_steps(
     pairs: list[tuple[int, int]], loss: Callable, params: Any, config: Config, *,
     rounds: int, budget: Budget, on_group: Callable[[], None],
-    methods: dict[str, Callable[[Callable, int], Callable]] | None = None,
-    warmup_compile: bool = False,
 ) -> dict[tuple[int, int], dict[str, Any]]:
-  """Per (N, micro): each method compiled once, run once (compared), then timed in turns.
-
-  ``methods`` (default :data:`gpu_methods.METHODS`): each one other than the scan
-  and the full batch is checked against the scan; the first of them is ``exact``,
-  all are in ``checks``. ``warmup_compile``: before the methods of the first pair
-  of each microbatch size, the gradient of one microbatch is compiled and thrown
-  away, so that no method's compile time holds the process's one-time
-  initialisation or the first tuning of that shape's kernels (the first method,
-  the scan, paid it).
-  """
-  methods = METHODS if methods is None else methods
-  full_steps: dict[int, tuple[Any, dict[str, Any]]] = {}  # by batch size: compiled once
-  warmed: set[int] = set()  # the microbatch sizes whose gradient was compiled to warm up
+  """Per (N, micro): each way compiled (the full batch once per batch size), run once and
+  checked, then timed in turns; ``on_group()`` after each (N, micro)."""
+  full_steps: dict[int, tuple[Any, dict[str, Any]]] = {}  # by batch size
+  warmed: set[int] = set()
   rows: dict[tuple[int, int], dict[str, Any]] = {}
   for n, micro in pairs:
     batch = n * micro
@@ -124,11 +104,34 @@ def measure_steps(
       continue
     print(f"  N={n} micro={micro} (batch {batch})", flush=True)
     tokens = make_tokens(batch, config, seed=batch)
-    if warmup_compile and micro not in warmed:  # once per microbatch shape
+    if micro not in warmed:
       compile_timed(jax.value_and_grad(loss), params, tokens[:micro])
       warmed.add(micro)
-    compiled, outputs = _run_methods(row, methods, loss, params, tokens, full_steps)
-    _check(row, outputs, [m for m in methods if m not in (SCAN, FULL)])
+    compiled, outputs = {}, {}
+    for method, make in METHODS.items():
+      if method == FULL and batch in full_steps:  # compiled for an earlier row
+        step, entry = full_steps[batch][0], dict(full_steps[batch][1])
+      else:
+        try:
+          step, seconds = compile_timed(make(loss, n), params, tokens)
+          entry = {"compile_s": seconds, "xla": memory_analysis_dict(step)}
+        except Exception as e:
+          step, entry = None, {"status": report_failure(method, e)}
+      if step is not None:
+        try:
+          outputs[method], compiled[method] = jax.block_until_ready(step(params, tokens)), step
+          entry.setdefault("status", "ok")
+        except Exception as e:
+          step, entry["status"] = None, report_failure(method, e)
+      if method == FULL and batch not in full_steps:
+        full_steps[batch] = (step, dict(entry))
+      row["methods"][method] = entry
+    if SCAN in outputs:
+      row["checks"] = {m: compare(outputs[m], outputs[SCAN]) for m in CHECKED if m in outputs}
+    if DEFAULT in outputs and FULL in outputs:
+      # Not a check: the full batch sums its bfloat16 gradient (the embedding's
+      # scatter-add, the weights' products) over all B sequences in bfloat16.
+      row["vs_full"] = compare(outputs[DEFAULT], outputs[FULL], check=False)
     del outputs
     if compiled:
       _time_methods(row, compiled, params, tokens, rounds)
@@ -136,74 +139,6 @@ def measure_steps(
     del compiled, tokens
     on_group()
   return rows
-
-
-def _run_methods(
-    row: dict[str, Any], methods: dict[str, Callable[[Callable, int], Callable]],
-    loss: Callable, params: Any, tokens: jax.Array,
-    full_steps: dict[int, tuple[Any, dict[str, Any]]],
-) -> tuple[dict[str, Any], dict[str, Any]]:
-  """Each method compiled (the full batch once per batch size) and run once.
-
-  Returns the compiled steps that ran and their outputs; each method's entry,
-  with its status, goes into ``row["methods"]``.
-  """
-  batch = row["batch"]
-  compiled, outputs = {}, {}
-  for method in methods:
-    if method == FULL and batch in full_steps:  # compiled for an earlier row
-      step, entry = full_steps[batch][0], dict(full_steps[batch][1])
-    else:
-      step, entry = _compile(method, methods[method], loss, row["num_microbatches"], params,
-                             tokens)
-    if step is not None:
-      output = _first_call(method, step, params, tokens, entry)
-      if output is None:
-        step = None
-      else:
-        compiled[method], outputs[method] = step, output
-    if method == FULL and batch not in full_steps:
-      full_steps[batch] = (step, dict(entry))
-    row["methods"][method] = entry
-  return compiled, outputs
-
-
-def _compile(name: str, method: Callable[[Callable, int], Callable], loss: Callable, n: int,
-             params: Any, tokens: jax.Array) -> tuple[Any, dict]:
-  """The method's compiled step and its entry (compile time, XLA's memory), or None and
-  its failure (building the step included)."""
-  try:
-    step, seconds = compile_timed(method(loss, n), params, tokens)
-  except Exception as e:
-    return None, {"status": report_failure(name, e)}
-  return step, {"compile_s": seconds, "xla": memory_analysis_dict(step)}
-
-
-def _first_call(name: str, step: Any, params: Any, tokens: jax.Array,
-                entry: dict[str, Any]) -> Any:
-  """The step's output (``entry`` marked ok), or None with the failure in ``entry``."""
-  try:
-    output = jax.block_until_ready(step(params, tokens))
-  except Exception as e:
-    entry["status"] = report_failure(name, e)
-    return None
-  entry.setdefault("status", "ok")
-  return output
-
-
-def _check(row: dict[str, Any], outputs: dict[str, Any], checked: list[str]) -> None:
-  """The checked methods' loss and gradient against the scan's, and the first's against
-  the full batch's."""
-  if SCAN in outputs:
-    checks = {m: compare(outputs[m], outputs[SCAN]) for m in checked if m in outputs}
-    if checked[0] in checks:
-      row["exact"] = checks[checked[0]]
-    if len(checked) > 1:
-      row["checks"] = checks
-  if checked[0] in outputs and FULL in outputs:
-    # Not a check: the full batch sums its bfloat16 gradient (the embedding's
-    # scatter-add, the weights' products) over all B sequences in bfloat16.
-    row["vs_full"] = compare(outputs[checked[0]], outputs[FULL], check=False)
 
 
 def _time_methods(row: dict[str, Any], compiled: dict[str, Any], params: Any,
@@ -219,12 +154,105 @@ def _time_methods(row: dict[str, Any], compiled: dict[str, Any], params: Any,
     row["methods"][method].update(
         step_ms=1e3 * statistics.median(times),
         step_ms_p25_p75=[1e3 * q for q in quartiles(times)],
-        step_ms_samples=[1e3 * t for t in times],
-    )
+        step_ms_samples=[1e3 * t for t in times])
 
 
 def checks_of(row: dict[str, Any]) -> list[dict[str, Any]]:
-  """A row's comparisons with the scan: every checked method's, or the one ``exact``."""
+  """A row's comparisons with the scan (``exact``: the one of earlier JSON)."""
   if "checks" in row:
     return list(row["checks"].values())
   return [row["exact"]] if row.get("exact") else []
+
+
+# The largest batch that fits: the full batch doubles, from the largest that ran inside
+# a step up to a cap, until its step runs out of memory; then a batch ``factor`` times
+# as large runs through the door with microbatches of that size (halved while they run
+# out of memory), its loss and gradient set against the hand-written scan of the same
+# batch (a full-batch reference does not fit, by construction).
+
+
+def measure_fit(
+    loss: Callable, params: Any, config: Config, *, known: int | None, cap: int, factor: int,
+    rounds: int, budget: Budget,
+) -> dict[str, Any]:
+  """Doubles the full batch until OOM (or ``cap``), from twice ``known`` (the largest that
+  ran inside a step), then runs ``factor`` times the largest microbatched."""
+  result: dict[str, Any] = {"cap": cap, "factor": factor, "tried": []}
+  largest = None
+  if known is not None:
+    largest = min(known, cap)
+    result["tried"].append({"batch": largest, "status": "ok (step section)"})
+  batch = 2 * largest if largest else 1
+  while batch <= cap:
+    if not budget.left("fit"):
+      result["status"] = "skipped (budget)"
+      break
+    print(f"  full batch {batch}", flush=True)
+    tokens = make_tokens(batch, config, seed=batch)
+    try:
+      step, seconds = compile_timed(METHODS[FULL](loss, 1), params, tokens)
+      jax.block_until_ready(step(params, tokens))
+      start = time.perf_counter()
+      jax.block_until_ready(step(params, tokens))
+      result["tried"].append({"batch": batch, "status": "ok", "compile_s": seconds,
+                              "step_ms": 1e3 * (time.perf_counter() - start),
+                              "xla": memory_analysis_dict(step)})
+      largest = batch
+    except Exception as e:
+      result["tried"].append({"batch": batch, "status": report_failure("full batch", e)})
+      break
+    finally:
+      step = tokens = None
+    batch *= 2
+  result["largest_full_batch"] = largest
+  result["cap_reached"] = largest is not None and largest * 2 > cap
+  if largest is None or not budget.left("fit"):
+    result.setdefault("status", "no full batch ran" if largest is None else "skipped (budget)")
+    return result
+  _microbatched(result, loss, params, config, batch=factor * largest, factor=factor,
+                rounds=rounds)
+  result["status"] = "ok" if "exact" in result else "incomplete"
+  return result
+
+
+def _microbatched(result: dict[str, Any], loss: Callable, params: Any, config: Config, *,
+                  batch: int, factor: int, rounds: int) -> None:
+  """``batch`` through the door and the scan, microbatches halved while they run out of
+  memory; compared and timed."""
+  tokens = make_tokens(batch, config, seed=batch)
+  result["batch"] = batch
+  outputs, steps = {}, {}
+  for method, make in ((ACCUM, METHODS[DEFAULT]), (SCAN, METHODS[SCAN])):
+    n, status = factor, "no microbatch size divides the batch"
+    while batch % n == 0:
+      print(f"  {method}: batch {batch} as N={n} x {batch // n}", flush=True)
+      try:
+        step, seconds = compile_timed(make(loss, n), params, tokens)
+        outputs[method] = jax.block_until_ready(step(params, tokens))
+      except Exception as e:
+        status = report_failure(method, e)
+        result.setdefault("failed", []).append({"method": method, "num_microbatches": n,
+                                                "status": status})
+        if status != "OOM":
+          break
+        n *= 2  # smaller microbatches
+        continue
+      steps[method] = step
+      result[method] = {"num_microbatches": n, "micro": batch // n, "status": "ok",
+                        "compile_s": seconds, "xla": memory_analysis_dict(step)}
+      break
+    if method not in steps:
+      result[method] = {"status": status}
+  if ACCUM in outputs and SCAN in outputs:
+    result["exact"] = compare(outputs[ACCUM], outputs[SCAN])
+  del outputs
+  if steps:
+    calls = {m: (lambda s=s: s(params, tokens)) for m, s in steps.items()}
+    try:
+      samples = time_interleaved(calls, rounds=rounds, warmup=0)
+    except Exception as e:
+      result["timing"] = error_status(e)
+      return
+    for method, times in samples.items():
+      result[method].update(step_ms=1e3 * statistics.median(times),
+                            step_ms_samples=[1e3 * t for t in times])

@@ -1,68 +1,13 @@
 """Per-device memory and communication of one microbatched step, as formulas.
 
-The cost model behind ``docs/multi_device.md``: for each way
-``accum_jax.value_and_grad(..., data_parallel=DataParallel(mesh=...))`` can reduce
-a gradient, what one device holds and sends in one step of ``K`` microbatches. It
-counts what scales with the parameters; activations, the batch and XLA's scratch
-buffers are outside it.
-
-Symbols (per step, per device):
-
-- ``P``: parameters (elements); ``T``: devices on the tensor axis, so a device
-  works on ``Q = P / T`` of them;
-- ``D``: devices on the data axes (the batch is split over all of them);
-  ``R``: of those, the replicas (HSDP); the parameters are sharded over the
-  other ``F = D / R`` (``F = 1``: data parallel, ``R = 1``: FSDP);
-- ``K``: microbatches;
-- byte widths ``p`` (parameter), ``a`` (accumulator, 4: float32), ``g`` (gather:
-  what ``fun`` sees; ``p`` unless ``gather_dtype``), ``r`` (reduce: what crosses
-  devices; the gradient's, ``g`` for gathered leaves, unless ``reduce_dtype``).
-
-Memory::
-
-  parameters (argument)       Q p / F
-  gathered parameters         Q g          (F > 1; alive for the whole loop: XLA
-                                            hoists the gather out of it)
-  accumulator                 Q a / F      (F > 1, gather="per_microbatch")
-                              Q a          (otherwise: one full-size local sum)
-  gradient in flight          <= Q g       (one microbatch's local gradient before
-                                            it is reduced or added; XLA frees it
-                                            leaf by leaf, so usually one leaf)
-  output (the gradient)       Q p / F
-
-Bytes sent, ring algorithms (all-gather and reduce-scatter (n-1)/n of the full
-size, all-reduce 2(n-1)/n), as ``accum_jax.testing.Collective.bytes_sent`` counts::
-
-  before the loop             (F-1)/F Q g                  all-gather over F
-  per microbatch              (F-1)/F Q r                  reduce-scatter over F
-                                                           (gather="per_microbatch")
-  after the loop              (F-1)/F Q r                  reduce-scatter over F
-                                                           (gather="once")
-                              + 2(R-1)/R (Q/F) r           all-reduce over R
-
-Per step: before + K x per microbatch + after. Data parallel is ``F = 1, R = D``:
-one all-reduce of ``2(D-1)/D Q r``. Scalars (loss, weights, counts, the agreed
-skip flags: a few bytes each) are left out, and so are a tensor axis's
-all-reduces of activations (proportional to the batch, not to ``P``).
-
-With a tensor axis (``T > 1``), the lines above are what the step would move if
-the tensor split survived the collectives over the data axes. It does not, as
-JAX 0.10 compiles them: inside ``shard_map`` (manual over the data axes, the
-tensor axis automatic) the operand of a collective over the data axes is first
-gathered over the tensor axis. So (``Layout.tensor_split_kept=False``, the
-default)::
-
-  before the loop             (D-1)/D P g + (T-1)/T (P/D) g   all-gather over D, over T
-  per microbatch              (D-1)/D P r + (T-1)/T P r       reduce-scatter over D,
-                                                              all-gather over T
-  gradient in flight          <= P g
-
-The loop still carries ``P g / T`` of gathered parameters and ``P a / (D T)`` of
-accumulator: the tensor split is restored after each collective.
-
-Run it for the documentation's projection table::
-
-  python bench/sharded_model.py
+The cost model of docs/multi_device.md ("What it costs: the model", with its table of
+formulas): for each way ``DataParallel(mesh=...)`` reduces a gradient, what one device
+holds and sends (a ring's bytes, as ``Collective.bytes_sent`` counts them) in one step
+of ``K`` microbatches; what scales with the parameters only. With a tensor axis, the
+collectives over the data axes first gather their operand over it, as JAX 0.10
+compiles them (``Layout.tensor_split_kept=False``). tests/test_cost_model.py holds the
+formulas to the compiled step. ``python bench/sharded_model.py`` prints the
+documentation's projection to 1B, 7B and 70B parameters.
 """
 
 from __future__ import annotations
@@ -75,34 +20,21 @@ MODES = ("data parallel", "fsdp", "gather once", "hsdp", "fsdp x tensor")
 
 
 class Layout(NamedTuple):
-  """One step's shape: parameters, devices, microbatches and byte widths.
+  """One step's shape: parameters, devices, microbatches and byte widths."""
 
-  Attributes:
-    params: ``P``, parameters (elements).
-    data: ``D``, devices on the data axes.
-    replicas: ``R``, of those the replicas (HSDP); the parameters are sharded
-      over ``D / R``. Ignored by "data parallel" (``R = D``) and the FSDP modes
-      (``R = 1``).
-    tensor: ``T``, devices on a tensor axis (parameters split over it too).
-    microbatches: ``K``.
-    param_bytes: ``p``.
-    accumulator_bytes: ``a``.
-    gather_bytes: ``g``; None: ``p``.
-    reduce_bytes: ``r``; None: the gradient's (``g`` for gathered leaves, else ``p``).
-    tensor_split_kept: whether collectives over the data axes keep the tensor
-      split (False: they gather over the tensor axis first, as JAX 0.10 compiles
-      them; see the module docstring).
-  """
-
-  params: int
-  data: int
+  params: int  # P, parameters (elements)
+  data: int  # D, devices on the data axes
+  # R, of those the replicas (HSDP): the parameters sharded over D / R. Ignored by
+  # "data parallel" (R = D) and the FSDP modes (R = 1).
   replicas: int = 1
-  tensor: int = 1
-  microbatches: int = 1
-  param_bytes: int = 4
-  accumulator_bytes: int = 4
-  gather_bytes: int | None = None
-  reduce_bytes: int | None = None
+  tensor: int = 1  # T, devices on a tensor axis (the parameters split over it too)
+  microbatches: int = 1  # K
+  param_bytes: int = 4  # p
+  accumulator_bytes: int = 4  # a
+  gather_bytes: int | None = None  # g; None: p
+  reduce_bytes: int | None = None  # r; None: the gradient's (g for gathered leaves, else p)
+  # Whether collectives over the data axes keep the tensor split (False: they gather
+  # over the tensor axis first, as JAX 0.10 compiles them).
   tensor_split_kept: bool = False
 
 
@@ -122,11 +54,6 @@ class Cost(NamedTuple):
   @property
   def sent_per_step(self) -> int:
     return self.sent_before + self.microbatches * self.sent_per_microbatch + self.sent_after
-
-  @property
-  def resident(self) -> int:
-    """Parameters, gathered parameters and accumulator: alive through the loop."""
-    return self.param + self.gathered + self.accumulator
 
 
 def shards(mode: str, layout: Layout) -> tuple[int, int]:

@@ -3,17 +3,16 @@
 The benchmark is meant for a GPU (GPT-2 small); ``--tiny`` runs the same code on a
 2-layer model of width 64, which is what CI can afford. The script runs in a
 subprocess as a user runs it, with N in (1, 2), microbatches of 2 sequences, 2
-rounds and no fresh-process memory measurements, and its JSON is checked: every
+rounds, inside a step only, and its JSON and its one table are checked: every
 (N, micro) row timed for all three methods, accum_jax's loss and gradient equal to
-the hand-written scan's, the across-calls rows present. A second test makes one
-method run out of memory and checks that the row records it and the others go on.
-The ``--quick`` check's functions (in the modules ``bench/gpu_*.py`` that the
-script imports) run at a smaller size still: every row inside a step measured and
-the doors checked against the scan; across calls, on two leaves, the rows of the
-headline figures (the interface's floor, the host schedule, MultiSteps); and the
-one table with an earlier run's figures beside the rows that match. The host
-schedule's rows (both layouts) leave the parameters as they were on a micro-step
-and apply on the window's last call what the device schedule applies; the
+the hand-written scan's. A second test makes one method run out of memory and checks
+that the row records it and the others go on. The ``--quick`` check's functions (in the
+modules of bench/ that the script imports) run at a smaller size still: every
+row inside a step measured and the doors checked against the scan; across calls, on two
+leaves, the rows of the headline figures (the interface's floor, the host schedule,
+MultiSteps); and the one table with an earlier run's figures beside the rows that
+match. The host schedule's rows (both layouts) leave the parameters as they were on a
+micro-step and apply on the window's last call what the device schedule applies; the
 hand-written floor emits on the k-th call only. Timings are not checked: the
 machine is shared.
 """
@@ -34,10 +33,10 @@ SCRIPT = BENCH / "bench_gpu.py"
 
 
 def _bench(*names: str):
-  """Modules of bench/ (``gpu_model``, ``gpu_step``, ...), imported as bench_gpu.py imports them."""
+  """Modules of bench/ (``models``, ``gpu_step``, ...), imported as bench_gpu.py imports them."""
   if str(BENCH) not in sys.path:
     sys.path.insert(0, str(BENCH))  # the bench modules import _common and each other as siblings
-  modules = tuple(importlib.import_module(f"gpu_{name}") for name in names)
+  modules = tuple(importlib.import_module(name) for name in names)
   return modules if len(modules) > 1 else modules[0]
 
 
@@ -50,7 +49,7 @@ def test_the_tiny_run_writes_its_rows_and_matches_the_scan() -> None:
   try:
     result = subprocess.run(
         [sys.executable, str(SCRIPT), "--tiny", "--ns", "1", "2", "--micro", "2",
-         "--rounds", "2", "--no-memory", "--name", name],
+         "--rounds", "2", "--sections", "step", "--name", name],
         capture_output=True, text=True, timeout=300, env=env,
     )
     assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
@@ -59,66 +58,62 @@ def test_the_tiny_run_writes_its_rows_and_matches_the_scan() -> None:
     path.unlink(missing_ok=True)
 
   config = data["config"]
-  assert config["tiny"] and config["platform"] == "cpu" and not config["memory"]
+  assert config["tiny"] and config["platform"] == "cpu" and config["sections"] == ["step"]
   assert config["model"]["layers"] == 2 and config["model"]["width"] == 64
   assert config["device_kind"] and config["environment"]["devices"]
   rows = {(r["num_microbatches"], r["micro"]): r for r in data["results"]}
   assert set(rows) == {(1, 2), (2, 2)}
   for (n, micro), row in rows.items():
     assert row["status"] == "ok" and row["batch"] == n * micro, row
-    for method in ("accum_jax", "lax.scan", "full batch"):
-      entry = row["methods"][method]
+    assert list(row["methods"]) == ["lax.scan", "default", "on_nonfinite='skip_microbatch'",
+                                    "on_nonfinite='unchecked'", "full batch"]
+    for method, entry in row["methods"].items():
       assert entry["status"] == "ok", (n, micro, method, entry)
       assert entry["step_ms"] > 0 and len(entry["step_ms_samples"]) == 2
       assert entry["xla"]["temp_bytes"] > 0
-    exact = row["exact"]
-    assert exact["match"], (n, micro, exact)
-    assert exact["loss_rel_diff"] <= config["loss_rtol"]
-    assert exact["grad_max_rel_diff"] <= config["grad_rtol"]
+    assert len(row["checks"]) == 3
+    for checked, exact in row["checks"].items():
+      assert exact["match"], (n, micro, checked, exact)
+      assert exact["loss_rel_diff"] <= config["loss_rtol"]
+      assert exact["grad_max_rel_diff"] <= config["grad_rtol"]
     if n == 1:  # one microbatch: the same computation as the scan's single step
-      assert exact["grad_max_rel_diff"] < 1e-6, exact
+      assert row["checks"]["default"]["grad_max_rel_diff"] < 1e-6, row["checks"]
   assert data["all_match"] is True
   assert data["fit"] is None  # off a GPU only with --fit
-
-  (across,) = data["across_calls"]  # N = 1 has no window to accumulate
-  assert across["every_k"] == 2 and across["status"] == "ok", across
-  for name in ("accum_jax", "optax.MultiSteps"):
-    assert across[name]["micro_step_ms"] > 0 and across[name]["window_ms"] > 0
-    assert len(across[name]["call_ms_samples"]) == 2
-  # The printed tables.
-  assert "| N | micro | batch | accum_jax ms" in result.stdout
-  assert "| every_k | accum_jax micro-step ms" in result.stdout
+  # The printed table: each row against the scan.
+  cells = _cells(result.stdout[result.stdout.index("| door "):])
+  assert cells["inside a step", "2x2", "lax.scan"][4] == "1.000"
+  assert float(cells["inside a step", "2x2", "default"][4]) == pytest.approx(
+      rows[2, 2]["methods"]["default"]["step_ms"]
+      / rows[2, 2]["methods"]["lax.scan"]["step_ms"], abs=1e-3)
 
 
 def test_a_configuration_out_of_memory_is_recorded_and_the_others_run(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-  gpu_model, gpu_methods, gpu_step = _bench("model", "methods", "step")
-  gpu_failures, gpu_tables, gpu_budget = _bench("failures", "tables", "budget")
+  models, gpu_step, gpu_report, common = _bench("models", "gpu_step", "gpu_report", "_common")
 
   def out_of_memory(loss, num_microbatches):
     raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1 bytes.")
 
-  monkeypatch.setitem(gpu_methods.METHODS, gpu_methods.FULL, out_of_memory)
+  monkeypatch.setitem(gpu_step.METHODS, gpu_step.FULL, out_of_memory)
   # Smaller than --tiny: only the bookkeeping is under test.
-  config = gpu_model.Config(layers=1, width=16, heads=2, mlp=32, vocab=32, context=8)
-  graphdef, params = gpu_model.make_model(config, "xla")
+  config = models.Config(layers=1, width=16, heads=2, mlp=32, vocab=32, context=8)
+  graphdef, params = models.make_model(config, "xla")
   rows = gpu_step.measure_steps(
-      [(2, 1)], gpu_model.make_loss(graphdef), params, config, rounds=1,
-      budget=gpu_budget.Budget(0), on_group=lambda: None,
+      [(2, 1)], models.make_loss(graphdef), params, config, rounds=1,
+      budget=common.Budget(0), on_group=lambda: None,
   )
   row = rows[2, 1]
   assert row["methods"]["full batch"]["status"] == "OOM"
   assert "step_ms" not in row["methods"]["full batch"]
-  for method in ("accum_jax", "lax.scan"):
+  for method in ("default", "lax.scan"):
     assert row["methods"][method]["status"] == "ok" and row["methods"][method]["step_ms"] > 0
-  assert row["exact"]["match"] and "vs_full" not in row
-  time_table, _ = gpu_tables.step_tables(
-      {"flops_per_token": 1.0, "model": {"context": config.context}}, [row]
-  )
-  assert "| OOM " in time_table
-  assert gpu_failures.is_oom(RuntimeError("... out of memory ..."))
-  assert not gpu_failures.is_oom(ValueError("x"))
+  assert row["checks"]["default"]["match"] and "vs_full" not in row
+  table = gpu_report.one_table(gpu_report.records_of({"results": [row]}))
+  assert _cells(table)["inside a step", "2x1", "full batch"][3] == "OOM"
+  assert common.is_oom(RuntimeError("... out of memory ..."))
+  assert not common.is_oom(ValueError("x"))
 
 
 def _legacy_run() -> dict:
@@ -128,9 +123,6 @@ def _legacy_run() -> dict:
       "results": [{"num_microbatches": 2, "micro": 1, "batch": 2, "status": "ok", "methods": {
           "accum_jax": {"status": "ok", "step_ms": 40.0},
           "lax.scan": {"status": "ok", "step_ms": 32.0}}}],
-      "across_calls": [{"every_k": 8, "status": "ok",
-                        "accum_jax": {"micro_step_ms": 11.0, "window_ms": 90.0},
-                        "optax.MultiSteps": {"micro_step_ms": 10.0, "window_ms": 80.0}}],
   }
 
 
@@ -142,10 +134,10 @@ def _cells(table: str) -> dict[tuple[str, ...], list[str]]:
 
 def _tiny_model():
   """Smaller than --tiny: what runs on the GPU, in seconds here."""
-  gpu_model = _bench("model")
-  config = gpu_model.Config(layers=1, width=16, heads=2, mlp=32, vocab=32, context=8)
-  graphdef, params = gpu_model.make_model(config, "xla")
-  return config, gpu_model.make_loss(graphdef), params
+  models = _bench("models")
+  config = models.Config(layers=1, width=16, heads=2, mlp=32, vocab=32, context=8)
+  graphdef, params = models.make_model(config, "xla")
+  return config, models.make_loss(graphdef), params
 
 
 def _small_problem():
@@ -161,29 +153,26 @@ def _small_problem():
 
 
 def test_the_quick_check_puts_both_doors_in_one_table_beside_an_earlier_run() -> None:
-  gpu_methods, gpu_step, gpu_budget = _bench("methods", "step", "budget")
-  gpu_across, gpu_records = _bench("across", "records")
+  gpu_step, common = _bench("gpu_step", "_common")
+  micro_step, gpu_report = _bench("bench_micro_step", "gpu_report")
   config, loss, params = _tiny_model()
   rows = gpu_step.measure_steps(
-      [(2, 1)], loss, params, config, rounds=1, budget=gpu_budget.Budget(0),
-      on_group=lambda: None, methods=gpu_methods.QUICK_METHODS, warmup_compile=True,
-  )
+      [(2, 1)], loss, params, config, rounds=1, budget=common.Budget(0), on_group=lambda: None)
   row = rows[2, 1]
-  for method in gpu_methods.QUICK_METHODS:
+  for method in gpu_step.METHODS:
     entry = row["methods"][method]
     assert entry["status"] == "ok" and entry["step_ms"] > 0 and entry["compile_s"] > 0, entry
-  assert set(row["checks"]) == {
-      gpu_methods.DEFAULT, gpu_methods.MICROBATCH, gpu_methods.NO_SKIP}
+  assert set(row["checks"]) == {gpu_step.DEFAULT, gpu_step.MICROBATCH, gpu_step.NO_SKIP}
   assert all(c["match"] for c in row["checks"].values()), row["checks"]
 
   # Across calls, a window of 2 calls: the rows of the figures below.
-  host, device, floor = gpu_across.HOST, gpu_across.DEVICE, gpu_across.FLOOR
-  names = (floor, host, gpu_across.MULTISTEPS_ADAMW)
-  assert len(gpu_across.across_candidates(2)) == 8 and set(names) | {device} <= set(
-      gpu_across.across_candidates(2))
+  host, device, floor = micro_step.HOST, micro_step.DEVICE, micro_step.FLOOR
+  names = (floor, host, micro_step.MULTISTEPS_ADAMW)
+  assert len(micro_step.across_candidates(2)) == 8 and set(names) | {device} <= set(
+      micro_step.across_candidates(2))
   small_loss, small_params, x = _small_problem()
-  across = gpu_across.measure_quick_across(small_params, small_loss, x, every_k=2, rounds=1,
-                                           budget=gpu_budget.Budget(0), names=names)
+  across = micro_step.measure_rows(small_params, small_loss, x, every_k=2, rounds=1,
+                                    budget=common.Budget(0), names=names)
   assert set(across) == set(names)
   for name, entry in across.items():
     assert entry["status"] == "ok" and entry["micro_step_ms"] > 0, (name, entry)
@@ -195,9 +184,9 @@ def test_the_quick_check_puts_both_doors_in_one_table_beside_an_earlier_run() ->
   before = {**_legacy_run(), "quick_across": {"combined": {
       floor: {"status": "ok", "micro_step_ms": 4.0, "window_ms": 40.0},
       host: {"status": "ok", "micro_step_ms": 5.0, "window_ms": 48.0},
-      gpu_across.MULTISTEPS_ADAMW: {"status": "ok", "micro_step_ms": 6.0, "window_ms": 60.0}}}}
-  records = gpu_records.records_of({"results": [row], "quick_across": {"combined": across}})
-  cells = _cells(gpu_records.one_table(records, gpu_records.records_of(before)))
+      micro_step.MULTISTEPS_ADAMW: {"status": "ok", "micro_step_ms": 6.0, "window_ms": 60.0}}}}
+  records = gpu_report.records_of({"results": [row], "quick_across": {"combined": across}})
+  cells = _cells(gpu_report.one_table(records, gpu_report.records_of(before)))
   # Today's default beside the default of then, each as a ratio to its own scan.
   default = cells["inside a step", "2x1", "default"]
   assert default[-2:] == ["40.000", "1.250"], default
@@ -211,19 +200,19 @@ def test_the_quick_check_puts_both_doors_in_one_table_beside_an_earlier_run() ->
   assert float(micro[4]) == pytest.approx(
       across[host]["micro_step_ms"] / across[floor]["micro_step_ms"], abs=1e-3)
   assert cells["across calls", "window of 8 + gradient", host][-2:] == ["48.000", "0.800"]
-  assert cells["across calls", "window of 8 + gradient", gpu_across.MULTISTEPS_ADAMW][4] == (
+  assert cells["across calls", "window of 8 + gradient", micro_step.MULTISTEPS_ADAMW][4] == (
       "1.000")
-  figures = {g[0]: g[1] for g in gpu_records.goals(records)}
+  figures = {g[0]: g[1] for g in gpu_report.goals(records)}
   assert "default / lax.scan step time, 2x1" in figures
   assert figures[f"{host} / interface's floor, micro-step + gradient"] == (
       f"{across[host]['micro_step_ms'] / across[floor]['micro_step_ms']:.3f}")
   assert figures[f"{device} / interface's floor, micro-step + gradient"] == "-"  # not measured
   assert figures[f"{host} / MultiSteps, window of 8 + gradient"] == (
-      f"{across[host]['window_ms'] / across[gpu_across.MULTISTEPS_ADAMW]['window_ms']:.3f}")
-  # The full run of then, across calls: the device schedule handed a fixed gradient.
-  legacy = _cells(gpu_records.one_table(gpu_records.records_of(_legacy_run())))
-  assert legacy["across calls", "window of 8", device][3:5] == ["90.000", "1.125"]
-  assert gpu_records.source_label(_legacy_run(), "/x/h200-bench_gpu-d1c9549.json") == (
+      f"{across[host]['window_ms'] / across[micro_step.MULTISTEPS_ADAMW]['window_ms']:.3f}")
+  # The run of then on its own: its default (named "accum_jax" then) against its scan.
+  legacy = _cells(gpu_report.one_table(gpu_report.records_of(_legacy_run())))
+  assert legacy["inside a step", "2x1", "default"][3:5] == ["40.000", "1.250"]
+  assert gpu_report.source_label(_legacy_run(), "/x/h200-bench_gpu-d1c9549.json") == (
       "NVIDIA H200, jax 0.11.2, at d1c9549")
 
 
@@ -231,15 +220,15 @@ def test_the_quick_check_puts_both_doors_in_one_table_beside_an_earlier_run() ->
 def test_the_host_schedule_row_applies_on_the_last_call_what_the_device_schedule_does(
     packed: bool,
 ) -> None:
-  gpu_across = _bench("across")
+  micro_step = _bench("bench_micro_step")
   import jax
   import numpy as np
 
   loss, params, x = _small_problem()
-  candidates = gpu_across.across_candidates(2)
-  name = gpu_across.FLATTEN_HOST if packed else gpu_across.HOST
-  host, host_entry = gpu_across.build_row(candidates[name], loss, params, x, 2)
-  device, device_entry = gpu_across.build_row(candidates[gpu_across.DEVICE], loss, params, x, 2)
+  candidates = micro_step.across_candidates(2)
+  name = micro_step.FLATTEN_HOST if packed else micro_step.HOST
+  host, host_entry = micro_step.build_row(candidates[name], loss, params, x, 2)
+  device, device_entry = micro_step.build_row(candidates[micro_step.DEVICE], loss, params, x, 2)
   assert host.applies == [False, True] and device.applies == [None, None]
   # The host's micro-step holds no conditional; the device schedule's keeps one.
   assert host_entry["micro_step_counts"]["conditionals"] == 0, host_entry
@@ -248,17 +237,17 @@ def test_the_host_schedule_row_applies_on_the_last_call_what_the_device_schedule
   host.carry[:] = host.programs[False](*host.carry, x)
   jax.tree.map(np.testing.assert_array_equal, host.carry[0], start)  # a micro-step: unmoved
   host.carry[:] = host.programs[True](*host.carry, x)
-  gpu_across.run_window(device, x)
+  micro_step.run_window(device, x)
   jax.tree.map(np.testing.assert_array_equal, host.carry[0], device.carry[0])
   assert (np.asarray(host.carry[0]["b"]) != 0).all()  # AdamW applied to the window's mean
 
 
 def test_the_hand_written_floor_updates_on_the_kth_call_only() -> None:
-  gpu_across = _bench("across")
+  micro_step = _bench("bench_micro_step")
   import jax.numpy as jnp
   import optax
 
-  floor = gpu_across._hand_written_cond(optax.sgd(1.0), every_k=2)
+  floor = micro_step._hand_written_cond(optax.sgd(1.0), every_k=2)
   params = {"w": jnp.ones(3, jnp.bfloat16), "b": jnp.zeros((), jnp.bfloat16)}
   grads = {"w": jnp.full(3, 0.5, jnp.bfloat16), "b": jnp.ones((), jnp.bfloat16)}
   state = floor.init(params)
@@ -270,7 +259,7 @@ def test_the_hand_written_floor_updates_on_the_kth_call_only() -> None:
 
 
 def test_the_loop_s_figures_join_the_one_table_and_the_goals() -> None:
-  gpu_records = _bench("records")
+  gpu_report = _bench("gpu_report")
   import bench_loop  # noqa: E402  (bench/ is on the path now)
 
   def loop(rate: float, ratios: dict[str, float]) -> dict:
@@ -285,8 +274,8 @@ def test_the_loop_s_figures_join_the_one_table_and_the_goals() -> None:
       bench_loop.FULL: loop(400.0, {"across calls": 4.1, "inside a step": 2.05}),
       bench_loop.MULTISTEPS: {"status": "skipped (budget)"},
   }}
-  records = gpu_records.records_of(output)
-  cells = _cells(gpu_records.one_table(records))
+  records = gpu_report.records_of(output)
+  cells = _cells(gpu_report.one_table(records))
   host = cells["across calls", "the loop, window of 8", bench_loop.HOST]
   assert host[3:5] == ["88.889", "1.111"], host  # ms per window; to the floor's
   # The full batch in both doors' rows, each to its own reference.
@@ -294,7 +283,7 @@ def test_the_loop_s_figures_join_the_one_table_and_the_goals() -> None:
       "20.000", "0.500"]
   assert cells["across calls", "the loop, window of 8", bench_loop.MULTISTEPS][3] == (
       "skipped (budget)")
-  figures = {g[0]: g[1:] for g in gpu_records.goals(records)}
+  figures = {g[0]: g[1:] for g in gpu_report.goals(records)}
   # Samples per second: the median of the rounds' ratios, as bench_loop reports it.
   assert figures[f"{bench_loop.HOST} loop / {bench_loop.FLOOR}, samples/s"] == ["0.930", ">= 0.95"]
   assert figures[f"{bench_loop.HOST_NO_SKIP} loop / {bench_loop.FLOOR}, samples/s"] == [

@@ -15,7 +15,7 @@ conditional passes through, are its choices: in test_xla_facts.py, on these prog
 from __future__ import annotations
 
 import functools
-import importlib.util
+import importlib
 import sys
 from pathlib import Path
 
@@ -29,29 +29,33 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
 HAND = "hand-written lax.cond accumulator"
 
 
+def _import(name: str):
+  if str(BENCH) not in sys.path:
+    sys.path.insert(0, str(BENCH))  # the bench modules import _common and each other as siblings
+  return importlib.import_module(name)
+
+
 @functools.cache
 def bench_module():
   """bench/bench_micro_step.py, imported once (test_xla_facts.py reads it too)."""
-  if str(BENCH) not in sys.path:
-    sys.path.insert(0, str(BENCH))  # the bench modules import _common as a sibling
-  spec = importlib.util.spec_from_file_location("bench_micro_step", BENCH / "bench_micro_step.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return _import("bench_micro_step")
 
 
 @functools.cache
 def micro_step_programs():
   """The compiled micro-step of each row, by name; compiled once for this file and
   test_xla_facts.py."""
-  bench = bench_module()
+  bench, models = bench_module(), _import("models")
   # 148 leaves, as GPT-2, at the bench's width, a shorter sequence. SGD inside:
   # the counts are of a call that only accumulates, and SGD compiles fastest.
-  params = bench.gpt2_tree(vocab=32, context=4)
+  params = models.gpt2_tree(vocab=32, context=4)
   tokens = jax.numpy.arange(5) % 32
-  built = bench.compile_rows(params, tokens, [bench.FLOOR, bench.HOST, bench.DEVICE, HAND],
-                             optax.sgd(0.1))
-  return {name: bench.micro_step_program(entry) for name, entry in built.items()}
+  candidates = bench.across_candidates(bench.EVERY_K, optax.sgd(0.1))
+  programs = {}
+  for name in (bench.FLOOR, bench.HOST, bench.DEVICE, HAND):
+    row, _ = bench.build_row(candidates[name], models.loss_fn, params, tokens, bench.EVERY_K)
+    programs[name] = row.programs[row.applies[0]]  # a call that only accumulates
+  return programs
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +75,10 @@ def _counts(programs):
 def _leaf_copies(compiled):
   """The copied shapes of more than a scalar (a counter, a flag): a leaf's."""
   return [s for s in copied_shapes(compiled) if not s.endswith("[]")]
+
+
+def test_the_hand_written_row_is_the_bench_s():
+  assert HAND == bench_module().HAND_COND
 
 
 def test_the_host_schedule_s_micro_step_is_the_floor_s_program(bench, programs):

@@ -2,7 +2,9 @@
 
 A figure on a page is only as good as the run behind it: its JSON or log is kept in
 ``bench/figures/``, named by card, script and commit. These tests read the pages
-(README.md, CHANGELOG.md, docs/**/*.md, bench/README.md) as text, with no JAX.
+(README.md, CHANGELOG.md, docs/**/*.md, bench/README.md) as text, with no JAX. The
+table of questions at the top of bench/README.md names, for each, the script that
+answers it (one that is there, or one marked removed) and runs that are kept.
 """
 
 from __future__ import annotations
@@ -61,6 +63,24 @@ def test_bench_readme_lists_every_figures_file():
       if not any(path.match(pattern) for pattern in listed)
   )
   assert not unlisted, f"bench/README.md's list of figures leaves out {unlisted}"
+
+
+def question_table(text: str) -> list[list[str]]:
+  """The rows of bench/README.md's table of questions: question, scripts, kept runs."""
+  table = text[text.index("## Which script answers which question"):].split("\n\n")[1]
+  return [[c.strip() for c in line.strip("|").split("|")] for line in table.splitlines()[2:]]
+
+
+def test_the_question_table_names_scripts_and_runs_that_exist():
+  rows = question_table(BENCH_README.read_text())
+  assert len(rows) >= 6 and all(len(row) == 3 for row in rows), rows
+  for question, scripts, runs in rows:
+    named = re.findall(r"[\w/]+\.py", scripts)
+    assert named, question
+    for script in named:
+      path = ROOT / script if "/" in script else ROOT / "bench" / script
+      assert path.exists() != ("removed" in scripts), (question, script)
+    assert not missing(set(re.findall(r"`([\w.*-]+)`", runs))), (question, runs)
 
 
 def test_the_check_sees_a_misspelt_name():

@@ -1,12 +1,9 @@
-"""Both doors in one table: --quick's report, and the before column of --compare.
+"""bench_gpu.py's report: both doors in one table, an earlier run beside it, the goals.
 
-A run's JSON, of this script's version or an earlier one, is read as records
-(door, case, row, reference row, time, compile time, static memory); each record's
-ratios are to its reference's figures in the same run: inside a step to the
-hand-written scan's; across calls, a micro-step to the interface's floor's and a
-window to MultiSteps'; the training loop's time per window of 8 microbatches to
-the hand-written loop's of its door (``bench_loop.REFERENCE``). :func:`goals` picks
-the headline figures.
+A run's JSON is read as records (door, case, row, reference row, time, compile time,
+static memory), each with ratios to its reference's figures in the same run: the scan's
+inside a step; the interface's floor's (micro-steps) and MultiSteps' (windows) across
+calls; its door's floor's in the training loop (``bench_loop.REFERENCE``).
 """
 
 from __future__ import annotations
@@ -16,35 +13,17 @@ from typing import Any
 
 import bench_loop
 from _common import markdown_table
-from gpu_across import (
-    DEVICE,
-    FLATTEN_HOST,
-    FLOOR,
-    HOST,
-    MULTISTEPS,
-    MULTISTEPS_ADAMW,
-)
-from gpu_methods import ACCUM, DEFAULT, FULL, SCAN
+from bench_micro_step import DEVICE, FLATTEN_HOST, FLOOR, HOST, MULTISTEPS_ADAMW
+from gpu_step import ACCUM, DEFAULT, SCAN
 
 _MIB = 2**20
 
-INSIDE, ACROSS = "inside a step", "across calls"
+INSIDE, ACROSS = bench_loop.INSIDE, bench_loop.ACROSS
 MICRO_STEP, WINDOW = "micro-step + gradient", "window of 8 + gradient"
-# Per across-calls case of --quick (the gradient in the same jit): the figure and
-# the row its ratios are to. Every Optax transformation is handed its whole state,
-# so a micro-step is set against the interface's floor.
-ACROSS_CASES = {
-    MICRO_STEP: ("micro_step_ms", FLOOR),
-    WINDOW: ("window_ms", MULTISTEPS_ADAMW),
-}
-# Earlier JSON: each call handed a fixed gradient (--quick's "standalone" form, and
-# the full run's across_calls), micro-steps set against the hand-written conditional.
-STANDALONE_CASES = {
-    "micro-step": ("micro_step_ms", "floor: hand-written lax.cond(emit, adamw, skip)"),
-    "window of 8": ("window_ms", MULTISTEPS_ADAMW),
-}
-# Method names of earlier JSON (bench_gpu.py before --quick) in today's rows.
-LEGACY_ROWS = {ACCUM: DEFAULT, SCAN: SCAN, FULL: FULL}
+# Across calls, the gradient in the same jit: each case's figure and the row its ratios
+# are to (every Optax transformation is handed its whole state: the interface's floor).
+ACROSS_CASES = {MICRO_STEP: ("micro_step_ms", FLOOR), WINDOW: ("window_ms", MULTISTEPS_ADAMW)}
+LEGACY_ROWS = {ACCUM: DEFAULT}  # earlier JSON's name of the default
 # The training loop, per door: its time per 8 microbatches, at the median samples/s.
 LOOP_CASES = {ACROSS: "the loop, window of 8", INSIDE: "the loop, batch of 8"}
 
@@ -60,18 +39,17 @@ def _record(door: str, case: str, row: str, ref: str, entry: dict[str, Any],
 
 
 def records_of(output: dict[str, Any]) -> list[dict[str, Any]]:
-  """The rows of the one table, from a run's JSON, this script's of any version."""
+  """The rows of the one table, from a run's JSON (earlier versions': those inside a step,
+  across calls with the gradient in the same jit, and the loop)."""
   records = []
   for row in output.get("results", []):
     case = f"{row['num_microbatches']}x{row['micro']}"
     for method, entry in row.get("methods", {}).items():
       records.append(_record(INSIDE, case, LEGACY_ROWS.get(method, method), SCAN, entry,
                              "step_ms"))
-  for form, results in (output.get("quick_across") or {}).items():
-    cases = STANDALONE_CASES if form == "standalone" else ACROSS_CASES
-    for name, entry in results.items():
-      for case, (key, ref) in cases.items():
-        records.append(_record(ACROSS, case, name, ref, entry, key))
+  for name, entry in ((output.get("quick_across") or {}).get("combined") or {}).items():
+    for case, (key, ref) in ACROSS_CASES.items():
+      records.append(_record(ACROSS, case, name, ref, entry, key))
   for name, entry in (output.get("loop") or {}).items():
     for door in bench_loop.doors(name):
       record = _record(door, LOOP_CASES[door], name, bench_loop.REFERENCE[door], entry,
@@ -80,12 +58,6 @@ def records_of(output: dict[str, Any]) -> list[dict[str, Any]]:
       # Samples per second against the reference's: the median of the rounds' ratios.
       record["rate_ratio"] = (entry.get("ratio") or {}).get(door)
       records.append(record)
-  for entry in output.get("across_calls") or []:  # the full run's accumulate / MultiSteps
-    if entry.get("status") != "ok" or entry["every_k"] != 8:
-      continue
-    for name, row in ((ACCUM, DEVICE), (MULTISTEPS, MULTISTEPS_ADAMW)):
-      for case, (key, ref) in STANDALONE_CASES.items():
-        records.append(_record(ACROSS, case, row, ref, {"status": "ok", **entry[name]}, key))
   return records
 
 
@@ -139,16 +111,10 @@ def one_table(records: list[dict[str, Any]], before: list[dict[str, Any]] | None
 
 
 def goals(records: list[dict[str, Any]]) -> list[list[str]]:
-  """The headline figures: (figure, measured, goal), the goal '-' where no issue set one.
-
-  Inside a step, the default against the scan (issues 27 and 28); across calls,
-  in the step users write, both schedules' micro-steps against the interface's
-  floor and the host schedule's window against MultiSteps', then the same with the
-  inner state packed by ``optax.flatten``; then the training loop's samples per
-  second against the hand-written loops' (the median of the rounds' ratios):
-  ``HostSchedule``'s at least 0.95 of the two-jit modulo loop's, 0.98 with
-  ``on_nonfinite="unchecked"``.
-  """
+  """The headline figures: (figure, measured, goal), the goal '-' where no issue set one:
+  inside a step the default against the scan; across calls both schedules' micro-steps
+  against the interface's floor, windows against MultiSteps', ``optax.flatten``'s; the
+  loop's samples per second against its door's floor (the median of rounds' ratios)."""
   by_key = _ratios(records)
   out = []
   for (door, case, row), r in by_key.items():
@@ -184,8 +150,41 @@ def goals(records: list[dict[str, Any]]) -> list[list[str]]:
   ] + loop_goals
 
 
-def print_quick(output: dict[str, Any], before: dict[str, Any] | None,
-                before_path: str | None) -> None:
+def header(config: dict[str, Any]) -> str:
+  """The model, the card, JAX and the rounds of a run."""
+  m, env = config["model"], config["environment"]
+  return (
+      f"GPT ({'tiny' if config['tiny'] else 'GPT-2 small'}): {m['layers']} layers, width"
+      f" {m['width']}, {m['heads']} heads, MLP {m['mlp']}, vocabulary {m['vocab']}, context"
+      f" {m['context']}, tied head, bfloat16, {config['param_count'] / 1e6:.2f}M parameters;"
+      f" attention: {config['attention']}\n"
+      f"device: {config['device_kind']} ({env['devices'][0]}), jax {env['jax']},"
+      f" {env['cpu_count']} CPUs, load average at start {env['load_average']};"
+      f" {config['rounds']} timed rounds (median), interleaved")
+
+
+def fit_table(fit: dict[str, Any]) -> str:
+  """The full batches tried, then the microbatched batch through the door and the scan."""
+  rows = [[f"full batch {t['batch']}", t["status"],
+           f"{t['step_ms']:.2f}" if "step_ms" in t else "-",
+           _cell(t.get("xla", {}).get("temp_bytes"), 1 / _MIB, 1), "-"] for t in fit["tried"]]
+  exact = fit.get("exact")
+  for method in (ACCUM, SCAN):
+    e = fit.get(method)
+    if e is None:
+      continue
+    label = (f"{method} {fit['batch']} = {e['num_microbatches']} x {e['micro']}"
+             if e.get("status") == "ok" else f"{method} {fit['batch']}")
+    diff = (f"loss {exact['loss_rel_diff']:.1e}, grad {exact['grad_max_rel_diff']:.1e}"
+            if exact and method == ACCUM else "-")
+    rows.append([label, e["status"], f"{e['step_ms']:.2f}" if "step_ms" in e else "-",
+                 _cell(e.get("xla", {}).get("temp_bytes"), 1 / _MIB, 1), diff])
+  return markdown_table(["step", "status", "step ms (full batch: one call)", "XLA temp MiB",
+                         "vs lax.scan: rel diff"], rows)
+
+
+def print_report(output: dict[str, Any], before: dict[str, Any] | None,
+                 before_path: str | None) -> None:
   records = output["records"]
   print("\nboth doors: step time in ms (inside a step: median of interleaved rounds; across calls:"
         " median micro-step and window, rows taking turns a window at a time), compile s (after"

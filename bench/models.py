@@ -1,19 +1,20 @@
-"""The model of bench_gpu.py: a GPT-2-small-sized decoder in Flax NNX, and its data.
+"""The benchmarks' models: GPT-2 small in Flax NNX, and a narrow GPT-2-shaped tree.
 
-12 layers, width 768, 12 heads, MLP 3072, vocabulary 50304 (GPT-2's 50257 rounded
-up to a multiple of 64), context 1024, learned position embeddings,
-pre-LayerNorm, GELU, and the output head tied to the token embedding (GPT-2's
-choice; 124M parameters). Parameters and compute are bfloat16; the loss, the mean
-next-token cross-entropy, is float32. The loss is a pure function of the
-``nnx.split`` state, as in the NNX functional API: ``graphdef, params =
-nnx.split(model, nnx.Param)``, and ``loss_fn(params, tokens)`` merges and applies.
-The data are random tokens drawn with NumPy.
+``GPT2_SMALL`` (bench_gpu.py; bench_loop.py on a GPU): 12 layers, width 768, 12 heads,
+MLP 3072, vocabulary 50304 (GPT-2's 50257 rounded up to a multiple of 64), context
+1024, learned position embeddings, pre-LayerNorm, GELU, the output head tied to the
+token embedding (124M parameters, 148 leaves); bfloat16 parameters and compute, a
+float32 loss (the mean next-token cross-entropy), random tokens drawn with NumPy. The
+loss is a pure function of ``nnx.split(model, nnx.Param)``'s parameters. ``TINY`` is
+the same code at a CPU's size.
+
+:func:`gpt2_tree` (bench_micro_step.py; bench_loop.py on a CPU): the same 148 leaves
+as plain arrays, width 64, bfloat16, with :func:`loss_fn` over one sequence.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -40,28 +41,6 @@ GPT2_SMALL = Config(layers=12, width=768, heads=12, mlp=3072, vocab=50304, conte
 TINY = Config(layers=2, width=64, heads=2, mlp=256, vocab=256, context=32)
 
 
-def _has_fused_attention() -> bool:
-  attention = getattr(jax.nn, "dot_product_attention", None)
-  return attention is not None and "is_causal" in inspect.signature(attention).parameters
-
-
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, implementation: str) -> jax.Array:
-  """Causal self-attention of (batch, time, heads, head_dim) arrays.
-
-  ``implementation``: ``"cudnn"`` or ``"xla"`` for ``jax.nn.dot_product_attention``
-  (cuDNN's fused kernel, or XLA's composition of it), ``"manual"`` for the
-  softmax written out (float32 logits), where that function is missing.
-  """
-  if implementation in ("cudnn", "xla"):
-    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
-  t = q.shape[1]
-  logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
-  logits = logits * q.shape[-1] ** -0.5
-  mask = jnp.tril(jnp.ones((t, t), bool))
-  weights = jax.nn.softmax(jnp.where(mask, logits, -jnp.inf), axis=-1).astype(v.dtype)
-  return jnp.einsum("bhqk,bkhd->bqhd", weights, v)
-
-
 class Block(nnx.Module):
   """Pre-LayerNorm: x + attention(LN(x)), then x + MLP(LN(x))."""
 
@@ -80,7 +59,9 @@ class Block(nnx.Module):
     b, t, d = x.shape
     qkv = self.qkv(self.ln1(x)).reshape(b, t, 3, self.heads, d // self.heads)
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-    x = x + self.proj(causal_attention(q, k, v, self.attention).reshape(b, t, d))
+    attention = jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                             implementation=self.attention)
+    x = x + self.proj(attention.reshape(b, t, d))
     return x + self.out(jax.nn.gelu(self.fc(self.ln2(x))))
 
 
@@ -107,13 +88,9 @@ def _path_names(path: tuple[Any, ...]) -> list[str]:
 
 
 def make_model(config: Config, attention: str, seed: int = 0):
-  """``(graphdef, params)``: the split model, its parameters on the device.
-
-  The model is built abstractly (``nnx.eval_shape``) and its bfloat16
-  parameters filled with NumPy: GPT-2's initialisation (normal, std 0.02, the
-  residual projections' scaled by ``1 / sqrt(2 layers)``; LayerNorm scales 1,
-  biases 0), with no eager jax op leaving temporaries on the device.
-  """
+  """``(graphdef, params)``: the model built abstractly and its parameters filled with
+  NumPy, GPT-2's initialisation (std 0.02, the residual projections' scaled by
+  ``1 / sqrt(2 layers)``), so that no eager jax op leaves temporaries on the device."""
   abstract = nnx.eval_shape(lambda: GPT(config, attention, rngs=nnx.Rngs(0)))
   graphdef, shapes = nnx.split(abstract, nnx.Param)
   rng = np.random.default_rng(seed)
@@ -142,17 +119,19 @@ def make_loss(graphdef: Any) -> Callable[[Any, jax.Array], jax.Array]:
   return loss_fn
 
 
+def host_tokens(rows: int, context: int, vocab: int, seed: int = 0) -> np.ndarray:
+  """``rows`` random sequences of ``context + 1`` tokens, a host NumPy array."""
+  return np.random.default_rng(seed).integers(0, vocab, (rows, context + 1), np.int32)
+
+
 def make_tokens(batch: int, config: Config, seed: int = 0) -> jax.Array:
-  rng = np.random.default_rng(seed)
-  return jax.device_put(rng.integers(0, config.vocab, (batch, config.context + 1), np.int32))
+  return jax.device_put(host_tokens(batch, config.context, config.vocab, seed))
 
 
 def resolve_attention(requested: str, config: Config) -> str:
   """``auto``: cuDNN's fused kernel on a GPU where its gradient compiles, else XLA's."""
   if requested != "auto":
     return requested
-  if not _has_fused_attention():
-    return "manual"
   if jax.default_backend() != "gpu":
     return "xla"
   q = jnp.zeros((1, config.context, config.heads, config.width // config.heads), jnp.bfloat16)
@@ -169,8 +148,52 @@ def resolve_attention(requested: str, config: Config) -> str:
   return "cudnn"
 
 
-def flops_per_token(config: Config, param_count: int) -> float:
-  """nanoGPT's estimate: 6 per parameter (less the position embeddings) + attention."""
-  return 6 * (param_count - config.context * config.width) + (
-      12 * config.layers * config.width * config.context
-  )
+def gpt2_tree(layers: int = 12, width: int = 64, vocab: int = 128, context: int = 16) -> Any:
+  """Parameters shaped like GPT-2's (148 leaves at 12 layers), narrow, in bfloat16."""
+  keys = iter(jax.random.split(jax.random.key(0), 8 * layers + 4))
+
+  def norm():
+    return {"scale": jnp.ones(width), "bias": jnp.zeros(width)}
+
+  def dense(n_in, n_out):
+    return {"w": 0.02 * jax.random.normal(next(keys), (n_in, n_out)), "b": jnp.zeros(n_out)}
+
+  params: dict[str, Any] = {
+      "wte": 0.02 * jax.random.normal(next(keys), (vocab, width)),
+      "wpe": 0.02 * jax.random.normal(next(keys), (context, width)),
+      "ln_f": norm(),
+  }
+  for i in range(layers):
+    params[f"h{i:02d}"] = {
+        "ln_1": norm(), "ln_2": norm(),
+        "attn": {"qkv": dense(width, 3 * width), "proj": dense(width, width)},
+        "mlp": {"fc": dense(width, 4 * width), "proj": dense(4 * width, width)},
+    }
+  return jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+
+
+def _layer_norm(p: Any, x: jax.Array) -> jax.Array:
+  mean = x.mean(-1, keepdims=True)
+  x = (x - mean) * jax.lax.rsqrt(((x - mean) ** 2).mean(-1, keepdims=True) + 1e-5)
+  return x * p["scale"] + p["bias"]
+
+
+def _block(p: Any, x: jax.Array, heads: int = 4) -> jax.Array:
+  t, width = x.shape
+  q, k, v = jnp.split(_layer_norm(p["ln_1"], x) @ p["attn"]["qkv"]["w"]
+                      + p["attn"]["qkv"]["b"], 3, axis=-1)
+  q, k, v = (y.reshape(t, heads, width // heads) for y in (q, k, v))
+  attention = jax.nn.dot_product_attention(q[None], k[None], v[None], is_causal=True)[0]
+  x = x + attention.reshape(t, width) @ p["attn"]["proj"]["w"] + p["attn"]["proj"]["b"]
+  hidden = jax.nn.gelu(_layer_norm(p["ln_2"], x) @ p["mlp"]["fc"]["w"] + p["mlp"]["fc"]["b"])
+  return x + hidden @ p["mlp"]["proj"]["w"] + p["mlp"]["proj"]["b"]
+
+
+def loss_fn(params: Any, tokens: jax.Array) -> jax.Array:
+  """Next-token cross-entropy of one sequence of :func:`gpt2_tree`, in float32."""
+  inputs, targets = tokens[:-1], tokens[1:]
+  x = params["wte"][inputs] + params["wpe"][: inputs.shape[0]]
+  for name in sorted(k for k in params if k.startswith("h")):
+    x = _block(params[name], x)
+  logits = (_layer_norm(params["ln_f"], x) @ params["wte"].T).astype(jnp.float32)
+  return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
