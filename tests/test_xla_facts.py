@@ -121,7 +121,8 @@ def test_the_device_schedule_copies_a_few_scalars_where_a_hand_written_cond_copi
   branches) in the micro-step of bench/bench_micro_step.py's rows, on
   test_bench_micro_step.py's GPT-2-shaped tree of 148 leaves: the device schedule's
   conditional copies a few scalars (3 on JAX 0.10.2: a counter, flags), where a
-  hand-written ``lax.cond`` accumulator copies each leaf it passes through (140).
+  hand-written ``lax.cond`` accumulator copies each leaf it passes through (148
+  leaves, 149 copies, on JAX 0.10.2).
   That none of the device schedule's copies is of a leaf is a design property,
   checked in test_bench_micro_step.py.
 
