@@ -136,27 +136,32 @@ def test_the_two_programs_hold_no_conditional_and_the_adding_one_no_inner_update
   assert (counts[False]["reduce"] == 0) == (not checked), counts[False]["reduce"]
 
 
-def test_a_state_saved_mid_window_continues_under_either_schedule():
+PACKED = accum_jax.accumulate(optax.adamw(1e-2, weight_decay=0.1), every_k=K,
+                              pack_inner_state=True)
+
+
+@pytest.mark.parametrize("opt", [ADAMW, PACKED], ids=["tree", "packed inner state"])
+def test_a_state_saved_mid_window_continues_under_either_schedule(opt):
   ocp = pytest.importorskip("orbax.checkpoint")
   import tempfile
 
   calls = _calls(3 * K)
   flags = [(i + 1) % K == 0 for i in range(3 * K)]
-  reference = _run_host(ADAMW, make_params(), calls, flags)
+  reference = _run_host(opt, make_params(), calls, flags)
   middle = K + 2  # two calls into the second window
-  params, state = _run_host(ADAMW, make_params(), calls[:middle], flags[:middle])
+  params, state = _run_host(opt, make_params(), calls[:middle], flags[:middle])
   with tempfile.TemporaryDirectory() as directory:
     checkpointer = ocp.StandardCheckpointer()
     checkpointer.save(f"{directory}/state", (params, state))
     checkpointer.wait_until_finished()
-    target = (make_params(), accum_jax.checkpoint.abstract_state(ADAMW, make_params()))
+    target = (make_params(), accum_jax.checkpoint.abstract_state(opt, make_params()))
     restored = checkpointer.restore(f"{directory}/state", target)
   schedule = accum_jax.HostSchedule(restored[1])
   assert (schedule.calls, schedule.optimizer_step) == (2, 1)
   resumed_flags = [schedule.next() for _ in calls[middle:]]
   assert resumed_flags == flags[middle:]
-  host = _run_host(ADAMW, restored[0], calls[middle:], resumed_flags, restored[1])
-  device = _run_device(ADAMW, restored[0], calls[middle:], restored[1])
+  host = _run_host(opt, restored[0], calls[middle:], resumed_flags, restored[1])
+  device = _run_device(opt, restored[0], calls[middle:], restored[1])
   tree_allclose(_readable(host), _readable(reference), rtol=0, atol=0)
   tree_allclose(_readable(device), _readable(reference), rtol=0, atol=0)
 
@@ -384,8 +389,7 @@ def test_the_state_keeps_the_window_sum_or_zeros_after_every_call(host):
 def test_a_packed_inner_state_is_a_few_buffers_and_changes_no_arithmetic():
   calls = _calls(2 * K)
   flags = [(i + 1) % K == 0 for i in range(2 * K)]
-  packed = accum_jax.accumulate(optax.adamw(1e-2, weight_decay=0.1), every_k=K,
-                                pack_inner_state=True)
+  packed = PACKED
   tree = _run_host(ADAMW, make_params(), calls, flags)
   ours = _run_host(packed, make_params(), calls, flags)
   # The same programs' arithmetic: the parameters agree bit for bit.
