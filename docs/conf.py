@@ -84,7 +84,9 @@ nitpick_ignore_regex = [
     (r"py:obj", r"accum_jax\..*\.(count|index)"),
     # Private protocols and type variables in public signatures have no page.
     (r"py:class", r"accum_jax\.[\w.]*\._\w+"),
-    (r"py:class", r"(accum_jax\.)?_\w+\.\w+"),  # a type of a private module
+    (r"py:class", r"(accum_jax\.)?(_\w+\.)+\w+"),  # a type of a private module
+    # optax's own alias, in the docstring of optax.MultiStepsState (accum_jax.MultiStepsState).
+    (r"py:class", r"ArrayTree"),
 ]
 
 # -- Notebooks (myst-nb) -----------------------------------------------------
