@@ -62,12 +62,7 @@ def _counters_restarted(done: jax.Array, acc: _core.Accumulator) -> _core.Accumu
 
 def _restart_where(done: jax.Array, acc: _core.Accumulator) -> _core.Accumulator:
   """``acc`` emptied where ``done`` (its skip count kept): a select, no copy."""
-  return _core.Accumulator(
-      total=jax.tree.map(lambda t: jnp.where(done, jnp.zeros((), t.dtype), t), acc.total),
-      weight=jnp.where(done, 0.0, acc.weight),
-      count=jnp.where(done, 0, acc.count),
-      num_skipped=acc.num_skipped,
-  )
+  return _counters_restarted(done, acc)._replace(total=_emptied_where(done, acc.total))
 
 
 def _no_skip(updates: Any, gradient_step: jax.Array, params: Any):
@@ -126,7 +121,7 @@ class _Inner(NamedTuple):
   # on_nonfinite="skip_window") its sums were finite. A Python bool where the host decided.
   applied: Any
   # The accumulator's sum after the call: the window's, or zeros where it ended.
-  total: Any = None
+  total: Any
 
 
 def _make_options(
