@@ -259,8 +259,10 @@ def test_train_state_and_equinox_take_apply():
 
 @jax.jit
 def _slow(x):
-  """A computation long enough to be seen in flight (a chain of matmuls)."""
-  return jax.lax.fori_loop(0, 20, lambda i, y: jnp.tanh(y @ y), x)
+  """A computation long enough to be seen in flight (a chain of matmuls, about half a
+  second on two cores): the host's few microseconds of Python after dispatching it
+  finish first even when another test's computation shares the cores."""
+  return jax.lax.fori_loop(0, 60, lambda i, y: jnp.tanh(y @ y), x)
 
 
 _SLOW_INPUT = np.full((512, 512), 1e-3, np.float32)
