@@ -213,9 +213,11 @@ def all_finite(tree: Any) -> jax.Array:
   three times slower on CPU), and no conditional: on a GPU one would make the
   host wait.
   """
-  leaves = [jnp.asarray(x) for x in jax.tree.leaves(tree)]
-  zeros = [jnp.sum(x - x, dtype=_wide(x.dtype)) for x in leaves
-           if jnp.issubdtype(x.dtype, jnp.inexact)]
+  zeros = []
+  for x in jax.tree.leaves(tree):
+    x = jnp.asarray(x)
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+      zeros.append(jnp.sum(x - x, dtype=_wide(x.dtype)))
   if not zeros:
     return jnp.array(True)
   return functools.reduce(jnp.add, zeros) == 0

@@ -33,8 +33,7 @@ def repack(packed: _layout.Packed, tree: Any) -> _layout.Packed:
   ``packed``'s buckets, so that the state keeps one structure across calls."""
   leaves = jax.tree.leaves(tree)
   slots = packed.layout.slots
-  if len(leaves) != len(slots) or any(
-      s is not None and jnp.shape(x) != s.shape for x, s in zip(leaves, slots)):
+  if len(leaves) != len(slots) or [jnp.shape(x) for x in leaves] != list(packed.layout.shapes):
     raise ValueError(
         "The inner optimizer's update returned a state whose leaves differ from the ones"
         f" its init made ({len(leaves)} leaves where init made {len(slots)}, or other"
@@ -47,12 +46,9 @@ def repack(packed: _layout.Packed, tree: Any) -> _layout.Packed:
       cast.append(jax.lax.convert_element_type(x, s.dtype))
       continue
     old = next(kept)  # a weakly typed leaf stays as the update made it
-    cast.append(x if _weak(old) else jax.lax.convert_element_type(x, jnp.result_type(old)))
+    weak = getattr(jax.typeof(old), "weak_type", False)
+    cast.append(x if weak else jax.lax.convert_element_type(x, jnp.result_type(old)))
   return packed.layout.pack(cast)
-
-
-def _weak(x: Any) -> bool:
-  return bool(getattr(jax.typeof(x), "weak_type", False))
 
 
 def sharded_like(tree: Any, params: Any) -> Any:

@@ -71,17 +71,23 @@ class Layout:
   slots: tuple[Slot | None, ...]  # per leaf of the tree
   sizes: tuple[int, ...]  # elements per bucket
   shapes: tuple[tuple[int, ...], ...]  # per leaf of the tree
+  keys: tuple[Any, ...]  # per leaf of the Packed (its buckets', then its kept leaves'): plan's
+  source: Any  # the structure of the tree planned (NNX Variables unwrapped)
 
   def pack(self, tree: Any) -> Packed:
     """``tree`` (of this layout's leaves, in any container) as a :class:`Packed`."""
-    leaves = jax.tree.leaves(tree)
-    parts: list[list[Any]] = [[] for _ in self.sizes]
-    for leaf, slot in zip(leaves, self.slots):
-      if slot is not None:
-        parts[slot.bucket].append(jnp.ravel(leaf))
-    vectors = tuple(p[0] if len(p) == 1 else jnp.concatenate(p) for p in parts)
-    kept = [slot if slot is not None else leaf for leaf, slot in zip(leaves, self.slots)]
-    return Packed(vectors, jax.tree.unflatten(self.treedef, kept), self)
+    parts: dict[int, list[Any]] = {}
+    skeleton = []  # each leaf kept, or its slot
+    for leaf, slot in zip(jax.tree.leaves(tree), self.slots):
+      if slot is None:
+        skeleton.append(leaf)
+      else:
+        parts.setdefault(slot.bucket, []).append(jnp.ravel(leaf))
+        skeleton.append(slot)
+    vectors = []
+    for bucket in range(len(self.sizes)):
+      vectors.append(jnp.concatenate(parts[bucket]) if len(parts[bucket]) > 1 else parts[bucket][0])
+    return Packed(tuple(vectors), jax.tree.unflatten(self.treedef, skeleton), self)
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["vectors", "skeleton"],
@@ -106,8 +112,10 @@ class Packed:
   def unpack(self, treedef: Any = None) -> Any:
     """The tree (of ``treedef``, default the skeleton's), each bucketed leaf a slice of
     its bucket."""
-    flat = jax.tree.leaves(self.skeleton, is_leaf=_is_slot)
-    leaves = [_leaf(self.vectors[x.bucket], x) if _is_slot(x) else x for x in flat]
+    kept = iter(jax.tree.leaves(self.skeleton))  # a Slot is a node with no leaf
+    leaves = []
+    for slot in self.layout.slots:
+      leaves.append(next(kept) if slot is None else _leaf(self.vectors[slot.bucket], slot))
     if treedef is None:
       return jax.tree.unflatten(self.layout.treedef, leaves)
     return jax.tree.unflatten(treedef, leaves)
@@ -123,8 +131,8 @@ def _leaf(vector: Any, slot: Slot) -> Any:
 
 def plan(tree: Any, keys: Any = None) -> Layout:
   """The buckets of ``tree``: its leaves with at least one dimension, grouped by dtype
-  (and ``keys``, one per leaf), in order; scalars and weakly typed leaves stay as
-  they are.
+  (and ``keys``, one per leaf), in order; scalars, weakly typed leaves and PRNG keys
+  stay as they are.
 
   NNX Variables are unwrapped first: ``nnx.Optimizer`` hands ``init`` its
   ``nnx.Param`` state and ``update`` plain arrays, so the tree a :class:`Packed`
@@ -136,8 +144,11 @@ def plan(tree: Any, keys: Any = None) -> Layout:
   sizes: list[int] = []
   open_bucket: dict[Any, tuple[int, int]] = {}  # group -> (bucket, leaves in it)
   for leaf, key in zip(leaves, keys):
-    shape, dtype = tuple(jnp.shape(leaf)), jnp.dtype(jnp.result_type(leaf))
-    if not shape or getattr(jax.typeof(leaf), "weak_type", False):
+    aval = jax.typeof(leaf)
+    shape, dtype = tuple(aval.shape), aval.dtype
+    # Scalars, weak types and what is not a number (PRNG keys) stay as they are.
+    if not shape or aval.weak_type or not (
+        jnp.issubdtype(dtype, jnp.number) or jnp.issubdtype(dtype, jnp.bool_)):
       slots.append(None)
       continue
     size = math.prod(shape)
@@ -153,15 +164,16 @@ def plan(tree: Any, keys: Any = None) -> Layout:
   kept = [leaf if slot is None else slot for leaf, slot in zip(leaves, slots)]
   skeleton_def = jax.tree.structure(jax.tree.unflatten(treedef, kept), is_leaf=_is_slot)
   shapes = tuple(tuple(jnp.shape(x)) for x in leaves)
-  return Layout(skeleton_def, tuple(slots), tuple(sizes), shapes)
+  return Layout(skeleton_def, tuple(slots), tuple(sizes), shapes,
+                tuple(packed_keys(slots, len(sizes), keys)), treedef)
 
 
-def leaf_keys(layout: Layout, keys: Any) -> list[Any]:
+def packed_keys(slots: list[Slot | None], buckets: int, keys: list[Any]) -> list[Any]:
   """One of ``keys`` (one per leaf of the tree) per leaf of its :class:`Packed`: each
   bucket's (its leaves share it, see :func:`plan`), then each kept leaf's."""
-  out: list[Any] = [None] * len(layout.sizes)
+  out: list[Any] = [None] * buckets
   kept = []
-  for slot, key in zip(layout.slots, keys):
+  for slot, key in zip(slots, keys):
     if slot is None:
       kept.append(key)
     else:

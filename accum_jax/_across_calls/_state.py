@@ -161,7 +161,7 @@ def window_gradient(state: AccumulationState) -> Any:
   total = state.window_total
   kinds = state.reductions.kinds if state.reductions else None
   if isinstance(total, _layout.Packed):
-    kinds = _layout.leaf_keys(total.layout, _core.per_leaf(kinds, total.layout.slots))
+    kinds = total.layout.keys
   sums = jnp.asarray(state.sums)
   acc = _core.Accumulator(total, sums[SUM["weight"]], state.mini_step, jnp.zeros((), jnp.int32))
   result = _core.result(acc, total, kinds)

@@ -156,13 +156,16 @@ def _empty_window(options: _Options, grads_like: Any, kinds: list[str], packed: 
   grads_like = _layout.unwrapped(grads_like)
   layout = _layout.plan(grads_like, kinds)
   leaves = jax.tree.leaves(grads_like)
-  dtypes = _layout.leaf_keys(layout, [
+  dtypes = _layout.packed_keys(layout.slots, len(layout.sizes), [
       jnp.result_type(x) if _core.is_statistic(k) else
       _core.accumulator_dtype_for(jnp.result_type(x), options.accumulator_dtype)
       for x, k in zip(leaves, kinds)])
-  # Placed with the parameters (eagerly, on their device).
-  device = getattr(leaves[0], "sharding", None) if leaves and isinstance(leaves[0], jax.Array) \
-      else None
+  # Placed with the parameters where they were placed on purpose (committed): an
+  # uncommitted state keeps a jitted step's first call in the cache of the next.
+  first = leaves[0] if leaves else None
+  committed = isinstance(first, jax.Array) and not isinstance(first, jax.core.Tracer) and (
+      first.committed)
+  device = first.sharding if committed else None
   vectors = [jnp.zeros(n, d, device=device) for n, d in zip(layout.sizes, dtypes)]
   kept = [_core.init_leaf(x, k, options.accumulator_dtype)
           for x, k, s in zip(leaves, kinds, layout.slots) if s is None]
@@ -171,27 +174,27 @@ def _empty_window(options: _Options, grads_like: Any, kinds: list[str], packed: 
 
 def _bind(options, grads, state, params, weight, flush, apply, extra_args) -> _Call:
   """Checks one call's arguments (at trace time), packs the gradient and sorts its
-  extra arguments."""
-  _args.check_extra_args(extra_args)
-  _args.check_same_every_k(state.every_k.schedule, options.schedule)
+  extra arguments. A check runs where its argument is given."""
+  if extra_args:
+    _args.check_extra_args(extra_args)
+  if state.every_k.schedule != options.schedule:
+    _args.check_same_every_k(state.every_k.schedule, options.schedule)
   total = state.window_total
-  _args.check_tree_matches(grads, total.layout if isinstance(total, _layout.Packed) else total)
-  _args.check_weight(weight)
+  packed = isinstance(total, _layout.Packed)
+  _args.check_tree_matches(grads, total.layout if packed else total)
+  if weight is not None:
+    _args.check_weight(weight)
   apply = _args.check_apply(apply, flush)
   extra_args = dict(extra_args)
   value = extra_args.pop("value", None)
   if value is not None:
     _args.check_value(value)
     value = jnp.asarray(value)
-  kinds = list(state.reductions.kinds)
-  if isinstance(total, _layout.Packed):
-    kinds = _layout.leaf_keys(total.layout, kinds)
-    packed = total.layout.pack(grads)
-  else:
-    packed = grads
   return _Call(
-      grads=grads, packed=packed, kinds=kinds, params=params, weight=weight,
-      flush=_args.check_flush(flush), value=value,
+      grads=grads, packed=total.layout.pack(grads) if packed else grads,
+      kinds=list(total.layout.keys if packed else state.reductions.kinds),
+      params=params, weight=weight,
+      flush=jnp.array(False) if flush is False else _args.check_flush(flush), value=value,
       # A line search's gradient at `params` is the window's gradient.
       window_grad=extra_args.pop("grad", None) is not None,
       extra_args=extra_args, apply=apply,
@@ -227,9 +230,11 @@ def _add(options: _Options, call: _Call, state: AccumulationState) -> _Window:
     done = (accumulator.count >= _window_length(options, state)) | call.flush
   else:
     done = jnp.array(call.apply)  # a constant: XLA folds what depends on it
+  can_leave_out = per_call or call.weight is not None or options.skip_fn is not None
   window = _Window(
-      accumulator, kept, _left_out(call, accumulator.num_skipped > 0, rejected), skip_state,
-      value_accumulator,
+      accumulator, kept,
+      _left_out(call, accumulator.num_skipped > 0, rejected) if can_leave_out else {},
+      skip_state, value_accumulator,
       _noise_fields.add(state, call, kept) if options.track_noise else (),
       done, apply=_applies(options, call, done, accumulator))
   return _drop_overflowing_sum(window, call) if "sum" in call.kinds else window
@@ -279,8 +284,9 @@ def _drop_overflowing_sum(window: _Window, call: _Call) -> _Window:
 
 def _inner_update(options, call, inner_state, acc, value_window):
   """The inner optimizer's update on the window's gradient (and `value`)."""
-  grads = _layout.tree_of(_core.result(acc, call.packed, call.kinds),
-                          jax.tree.structure(call.grads))
+  grads = _core.result(acc, call.packed, call.kinds)
+  if isinstance(grads, _layout.Packed):
+    grads = grads.unpack(jax.tree.structure(call.grads))
   window_args = {}
   if value_window is not None:
     window_args["value"] = _core.result(value_window, call.value, options.value_reduction)
@@ -304,9 +310,11 @@ def _window_finite(options, acc, value_window) -> Any:
 def _emit(options, call, window, stored):
   """The inner update on the window: the updates, the inner state as stored, and the
   window's noise (``()`` without gradient noise)."""
+  packed = isinstance(stored, _layout.Packed)
   new_updates, new_tree = _inner_update(
-      options, call, _layout.tree_of(stored), window.accumulator, window.value_accumulator)
-  if isinstance(stored, _layout.Packed):
+      options, call, stored.unpack() if packed else stored, window.accumulator,
+      window.value_accumulator)
+  if packed:
     new_state = _inner_state.repack(stored, new_tree)  # its leaves cast in place
   else:
     new_state = _cast_like(new_tree, stored)
@@ -329,12 +337,11 @@ def _host_apply(options, call, state, window) -> _Inner:
   if applied is True:
     return _Inner(updates, inner_state, noise, True)
 
-  def keep(new, old):
+  def keep(new, old=0):  # 0: zero updates, a weak scalar taking the updates' dtype
     return jnp.where(applied, new, old)
 
   return _Inner(
-      jax.tree.map(lambda u: jnp.where(applied, u, jnp.zeros((), u.dtype)), updates),
-      jax.tree.map(keep, inner_state, state.inner_opt_state),
+      jax.tree.map(keep, updates), jax.tree.map(keep, inner_state, state.inner_opt_state),
       jax.tree.map(keep, noise, state.last_noise), applied)
 
 
@@ -342,11 +349,9 @@ def _zero_updates(call: _Call) -> Any:
   """The updates of a call that only adds: zeros that XLA folds (``params + 0`` in
   the caller's ``optax.apply_updates`` becomes ``params``, and donated parameters
   pass through untouched), of the updates' tree (``optax.lookahead``'s are of its
-  ``LookaheadParams``). A type that carries an explicit sharding keeps it."""
+  ``LookaheadParams``); a type that carries an explicit sharding keeps it.""" 
   like = call.params if isinstance(call.params, optax.LookaheadParams) else call.grads
-  return jax.tree.map(
-      lambda g: jnp.zeros_like(g) if _core.explicitly_sharded(g)
-      else jnp.zeros(jnp.shape(g), jnp.result_type(g)), like)
+  return jax.tree.map(jnp.zeros_like, like)
 
 
 def _device_step(options, call, state, window) -> _Inner:
@@ -364,8 +369,13 @@ def _device_step(options, call, state, window) -> _Inner:
   update_shapes = jax.eval_shape(
       lambda s: _emit(options, call, window, s)[0], state.inner_opt_state)
   carrier, is_sum = _carrier(update_shapes, call, window.accumulator.total)
+  acc = window.accumulator
+  if is_sum:  # the sum comes in once, as the carrier: twice, XLA would copy it
+    acc = acc._replace(total=None)
 
   def emit(stored, acc, value_window, last_noise, carrier, applied):
+    if is_sum:
+      acc = acc._replace(total=carrier)
     branch = window._replace(accumulator=acc, value_accumulator=value_window)
 
     def update(stored, last_noise, carrier):
@@ -387,8 +397,8 @@ def _device_step(options, call, state, window) -> _Inner:
     return carrier, stored, last_noise, applied
 
   out, inner_state, noise, applied = jax.lax.cond(
-      window.apply, emit, hold, state.inner_opt_state, window.accumulator,
-      window.value_accumulator, state.last_noise, carrier, window.apply)
+      window.apply, emit, hold, state.inner_opt_state, acc, window.value_accumulator,
+      state.last_noise, carrier, window.apply)
   updates = jax.tree.map(lambda u, x: jnp.where(applied, u, jnp.zeros((), u.dtype)).astype(
       x.dtype), out, update_shapes)
   # Where the sum carried the updates, the state's next total is what came out: the
@@ -428,26 +438,33 @@ def _next_state(options, call, state, window, inner: _Inner) -> AccumulationStat
   # finite) counts its calls as skipped.
   refused = window.apply & ~applied
   added = dict(window.counts)
-  added["num_skipped"] = added["num_skipped"] + jnp.where(refused, acc.count, 0)
+  added["num_skipped"] = added.get("num_skipped", 0) + jnp.where(refused, acc.count, 0)
   added["num_empty_windows"] = window.done & ~window.apply & (acc.count > 0) & (acc.weight == 0)
-  new_counts = [
-      jnp.where(window.done, 0, acc.count), counts[COUNT["optimizer_step"]] + applied,
-      applied, *(counts[COUNT[n]] + jnp.asarray(added.get(n, 0)) for n in COUNTS[3:])]
-  new_sums = [jnp.where(window.done, 0.0, acc.weight)]
-  if window.value_accumulator is None:
-    new_sums += [sums[SUM[n]] for n in SUMS[1:]]
-  else:
+  added["mini_step"] = jnp.where(window.done, 0, acc.count) - counts[COUNT["mini_step"]]
+  added["optimizer_step"] = applied
+  added["last_updated"] = applied.astype(jnp.int32) - counts[COUNT["last_updated"]]
+  deltas = []  # what this call adds to each counter, in one vector
+  for name in COUNTS:
+    deltas.append(jnp.asarray(added.get(name, 0), jnp.int32))
+  new_sums = {"weight": jnp.where(window.done, 0.0, acc.weight)}
+  if window.value_accumulator is not None:
     value = window.value_accumulator
-    new_sums += [value.total, jnp.where(window.done, 0.0, value.weight), jnp.where(
+    new_sums["value_total"] = value.total
+    new_sums["value_weight"] = jnp.where(window.done, 0.0, value.weight)
+    new_sums["window_value"] = jnp.where(
         applied, _core.result(value, sums[0], options.value_reduction),
-        sums[SUM["window_value"]])]
+        sums[SUM["window_value"]])
+  columns = []
+  for name in SUMS:
+    columns.append(jnp.asarray(new_sums.get(name, sums[SUM[name]]), jnp.float32))
   return state._replace(
       window_total=acc.total if inner.total is None else inner.total,
       inner_opt_state=inner.state,
-      counts=jnp.stack([jnp.asarray(c, jnp.int32) for c in new_counts]),
-      sums=jnp.stack([jnp.asarray(s, jnp.float32) for s in new_sums]),
+      counts=counts + jnp.stack(deltas),
+      sums=jnp.stack(columns),
       skip_state=window.skip_state,
-      **_noise_fields.next(state, window, applied, inner.last_noise, options.by_noise),
+      **(_noise_fields.next(state, window, applied, inner.last_noise, options.by_noise)
+         if options.track_noise else {}),
   )
 
 
@@ -539,11 +556,10 @@ def accumulate(
     layout: how the state keeps the accumulator and the inner optimizer's state:
       ``"packed"``, in a few vectors (each buffer a call passes costs the host
       its dispatch: :doc:`/guides/gpu`); ``"tree"``, a buffer per leaf, sharded
-      like its parameter; ``"auto"`` (default): packed where ``init`` sees the
-      parameters on one device or replicated, else tree (under ``jax.jit`` on
-      several devices ``init`` cannot tell, and a vector could replicate what is
-      sharded). No arithmetic changes; a checkpoint restores into the layout it
-      was saved in (:doc:`/guides/checkpoints`).
+      like its parameter; ``"auto"`` (default): packed where JAX has one
+      device, tree where it has several (parameters may be sharded there, which
+      an ``init`` traced under ``jax.jit`` cannot tell). No arithmetic changes;
+      a checkpoint restores into its own layout (:doc:`/guides/checkpoints`).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose ``update(grads, state,

@@ -20,26 +20,20 @@ from accum_jax._across_calls import _layout
 def check_tree_matches(grads: Any, like: Any) -> None:
   """The gradients have the structure and shapes the state was made for: ``like`` is
   that tree, or the :class:`_layout.Layout` of a packed window."""
+  structure: Any = jax.tree.structure(grads)
   if isinstance(like, _layout.Layout):
-    leaves = jax.tree.leaves_with_path(grads)
+    expected: Any = like.source
     shapes = list(like.shapes)
-    if len(leaves) != len(shapes):
-      raise ValueError(
-          f"The gradients have {len(leaves)} leaves, where the parameters given to init had"
-          f" {len(shapes)}. Pass gradients taken with respect to the same parameters"
-          " (jax.grad of the params pytree).")
   else:
-    structure: Any = jax.tree.structure(grads)
-    expected: Any = jax.tree.structure(like)
-    if structure != expected:
-      raise ValueError(
-          f"The gradients' tree structure {structure} differs from the"
-          f" parameters' given to init, {expected}. Pass gradients taken with"
-          " respect to the same parameters (jax.grad of the params pytree)."
-      )
-    leaves = jax.tree.leaves_with_path(grads)
+    expected = jax.tree.structure(like)
     shapes = [jnp.shape(t) for t in jax.tree.leaves(like)]
-  for (path, g), shape in zip(leaves, shapes):
+  if structure != expected:
+    raise ValueError(
+        f"The gradients' tree structure {structure} differs from the"
+        f" parameters' given to init, {expected}. Pass gradients taken with"
+        " respect to the same parameters (jax.grad of the params pytree)."
+    )
+  for (path, g), shape in zip(jax.tree.leaves_with_path(grads), shapes):
     if jnp.shape(g) != shape:
       raise ValueError(
           f"The gradient at {jax.tree_util.keystr(path)} has shape"
@@ -70,20 +64,21 @@ def check_layout(layout: Any, layouts: tuple[str, ...]) -> str:
 
 def packs(layout: str, params: Any) -> bool:
   """Whether ``init`` keeps the state packed: ``layout="packed"``, or ``"auto"`` where
-  it can tell that no parameter is sharded (concrete arrays, each on one device or
-  replicated; traced ones only where there is one device). ``"packed"`` with a
-  parameter placed over several devices is refused: a vector cannot be sharded like it."""
-  leaves = jax.tree.leaves_with_path(params)
-  sharded = [path for path, p in leaves if _core.is_sharded(p)]
-  if layout == "packed" and sharded:
-    raise ValueError(
-        "layout='packed' keeps the state in a few vectors, which cannot be sharded like the"
-        f" parameter at {jax.tree_util.keystr(sharded[0])}: pass layout='tree' (or leave"
-        " layout='auto') for sharded parameters, whose state then stays sharded like them.")
-  if layout != "auto":
-    return layout == "packed"
-  traced = any(isinstance(p, jax.core.Tracer) for _, p in leaves)
-  return not sharded and (not traced or jax.device_count() == 1)
+  there is one device. With several, ``"auto"`` keeps a tree: the parameters may be
+  sharded, an ``init`` traced under ``jax.jit`` cannot tell, and a state whose
+  layout followed what ``init`` saw would restore into another layout's target
+  (``jax.eval_shape(init)``). ``"packed"`` with a parameter placed over several
+  devices is refused: a vector cannot be sharded like it."""
+  if layout == "packed":
+    for path, p in jax.tree.leaves_with_path(params):
+      if _core.is_sharded(p):
+        raise ValueError(
+            "layout='packed' keeps the state in a few vectors, which cannot be sharded like"
+            f" the parameter at {jax.tree_util.keystr(path)}: pass layout='tree' (or leave"
+            " layout='auto') for sharded parameters, whose state then stays sharded like"
+            " them.")
+    return True
+  return layout == "auto" and jax.device_count() == 1
 
 
 def check_weight(weight: Any) -> None:
