@@ -7,6 +7,7 @@ tiny and every step is jitted once.
 
 from __future__ import annotations
 
+import functools
 import re
 import subprocess
 import sys
@@ -614,3 +615,52 @@ def test_nnx_value_and_grad_reaches_fsdp_from_the_variables_sharding_metadata(gi
   per_microbatch = [c for c in found if c.in_loop and not c.in_branch]
   assert sorted(c.kind for c in per_microbatch if c.kind != "all-reduce") == ["reduce-scatter"] * 3
   assert all(c.axes == ("data",) for c in per_microbatch)
+
+
+# The packed layout (the default where JAX has one device) in an nnx.Optimizer: the
+# state holds the Variables' plain values in its buckets (nnx.Optimizer hands init
+# nnx.Param and update plain arrays), so that gates, schedule-free and Muon, whose
+# updates rebuild their state from the gradient's tree, keep one structure.
+NNX_PACKED_INNERS = {
+    "adamw": lambda: optax.adamw(1e-2),
+    "apply_if_finite(adamw)": lambda: optax.apply_if_finite(optax.adamw(1e-2), 5),
+    "contrib.schedule_free_adamw": lambda: optax.contrib.schedule_free_adamw(1e-2),
+    "contrib.muon": lambda: optax.contrib.muon(1e-2),
+    "inject_hyperparams(adam)": lambda: optax.inject_hyperparams(optax.adam)(learning_rate=1e-2),
+}
+
+
+@pytest.mark.parametrize("name", list(NNX_PACKED_INNERS))
+def test_nnx_optimizer_with_the_packed_state_equals_the_full_batch(name):
+  nnx = pytest.importorskip("flax.nnx")
+  k, windows = 4, 2
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(windows, k, 8, 4)).astype(np.float32)
+  y = rng.normal(size=(windows, k, 8, 3)).astype(np.float32)
+
+  def loss_fn(model, xb, yb):
+    return jnp.mean((model(xb) - yb) ** 2)
+
+  model, ref_model = (nnx.Linear(4, 3, rngs=nnx.Rngs(0)) for _ in range(2))
+  make = NNX_PACKED_INNERS[name]
+  tx = accum_jax.accumulate(make(), k, layout="packed")
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+  reference = nnx.Optimizer(ref_model, make(), wrt=nnx.Param)
+
+  @functools.partial(nnx.jit, static_argnames="apply")
+  def step(model, optimizer, xb, yb, apply):
+    optimizer.update(model, nnx.grad(loss_fn)(model, xb, yb), apply=apply)
+
+  @nnx.jit
+  def full_batch_step(model, optimizer, xb, yb):
+    optimizer.update(model, nnx.grad(loss_fn)(model, xb, yb))
+
+  schedule = accum_jax.HostSchedule(optimizer)
+  for w in range(windows):
+    for i in range(k):
+      step(model, optimizer, x[w, i], y[w, i], schedule.next())
+    full_batch_step(ref_model, reference, x[w].reshape(-1, 4), y[w].reshape(-1, 3))
+  assert int(accum_jax.optimizer_step(optimizer)) == windows
+  tree_allclose(nnx.state(model, nnx.Param), nnx.state(ref_model, nnx.Param))
+  # A few buffers: the bucket of each dtype, the counters, and the inner state's scalars.
+  assert len(jax.tree.leaves(optimizer.opt_state)) <= 16

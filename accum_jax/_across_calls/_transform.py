@@ -532,14 +532,13 @@ def accumulate(
 
   Args:
     inner: the optimizer to run on the accumulated gradient, any Optax
-      ``GradientTransformation`` or chain; a gate (``optax.apply_if_finite``),
-      weight decay and any other transformation that must act once per window go
-      inside: after ``accumulate`` in a chain they act on every call.
+      ``GradientTransformation`` or chain; a gate (``optax.apply_if_finite``) or
+      weight decay goes inside: after ``accumulate`` it would act on every call.
     every_k: calls per window, an int >= 1, or a schedule from the optimizer
-      step to the number of calls (:func:`accum_jax.piecewise_every_k`,
-      :func:`accum_jax.noise.noise_scale_every_k`): what the device schedule and
-      :class:`accum_jax.HostSchedule` count. With ``apply=`` the host's flag
-      ends each window, whatever its length: no call is left out for it.
+      step to it (:func:`accum_jax.piecewise_every_k`,
+      :func:`accum_jax.noise.noise_scale_every_k`), as the device schedule and
+      :class:`accum_jax.HostSchedule` count; a host's ``apply=`` ends a window
+      whatever its length.
     reduction: how each leaf combines: ``"mean"`` (default), ``"sum"``,
       ``"max"`` or ``"last"``, a pytree prefix of them, or a callable ``(path,
       leaf)``, as in :func:`accum_jax.value_and_grad`; see
@@ -551,15 +550,12 @@ def accumulate(
       counted in ``num_skipped``), ``"skip_microbatch"`` (each call checked, a
       bad one skipped alone and counted) or ``"unchecked"``; the same words as
       :func:`accum_jax.value_and_grad`'s (:doc:`/two_doors`).
-    gradient_noise: estimate the gradient noise from the calls' gradients, read
-      with :func:`accum_jax.noise.last_window`.
-    layout: how the state keeps the accumulator and the inner optimizer's state:
-      ``"packed"``, in a few vectors (each buffer a call passes costs the host
-      its dispatch: :doc:`/guides/gpu`); ``"tree"``, a buffer per leaf, sharded
-      like its parameter; ``"auto"`` (default): packed where JAX has one
-      device, tree where it has several (parameters may be sharded there, which
-      an ``init`` traced under ``jax.jit`` cannot tell). No arithmetic changes;
-      a checkpoint restores into its own layout (:doc:`/guides/checkpoints`).
+    gradient_noise: estimate the gradient noise (:func:`accum_jax.noise.last_window`).
+    layout: ``"packed"``: the window's sum and the inner state in a few vectors
+      (each buffer a call passes costs the host its dispatch); ``"tree"``: a
+      buffer per leaf, sharded like its parameter; ``"auto"`` (default): packed
+      where JAX has one device, else tree (an ``init`` traced under ``jax.jit``
+      cannot tell a sharding). No arithmetic changes (:doc:`/guides/checkpoints`).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose ``update(grads, state,
