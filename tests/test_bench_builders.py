@@ -66,7 +66,7 @@ def _tiny_problems() -> dict[str, bench_loop.Problem]:
 
   graphdef, state = nnx.split(_Tiny(rngs=nnx.Rngs(0)), nnx.Param)
   return {bench_loop.ARRAYS: bench_loop.Problem(bench_loop.ARRAYS, array_loss,
-                                                state.to_pure_dict()),
+                                                nnx.to_pure_dict(state)),
           bench_loop.STATE: bench_loop.Problem(
               bench_loop.STATE, lambda p, t: model_loss(nnx.merge(graphdef, p), t), state,
               graphdef, model_loss)}
