@@ -3,7 +3,8 @@
 The sections, on ``models.GPT2_SMALL``: ``step`` (``gpu_step.py``, inside one step: the
 hand-written scan, the door's three ways of judging non-finite data and the full batch,
 timed, compiled, and the door checked against the scan: exit 1 beyond bfloat16
-rounding); ``across_calls`` (``bench_micro_step.py``'s rows); ``loop`` (``bench_loop.py``);
+rounding); ``across_calls`` (``bench_micro_step.py``'s rows); ``loop`` (``bench_loop.py``'s
+loops over plain arrays and ``nnx.State``, then its memory section);
 ``fit`` (``gpu_step.py``: the largest full batch that fits, then ``--fit-factor`` times
 it microbatched; on a GPU, or with ``--fit``). ``gpu_report.py`` prints both doors in
 one table (``--compare``: an earlier run's figures beside it) and the headline figures.

@@ -160,9 +160,9 @@ class Loop:
   ``step(call, carry, tokens) -> (carry, loss)`` is the body of the user's loop: the
   host's decision (a modulo, ``HostSchedule.next()``) and the jitted calls; an NNX
   loop's carry is its model and optimizer, changed in place. ``programs``: ``{label:
-  (jitted, args, kwargs)}``, an adding call's and an applying call's, lowered to count
-  their buffers (``adding``: the labels a call that only adds dispatches).
-  ``parameters(carry)``: the parameters, to compare the loops' training.
+  (jitted, args, kwargs)}``, a call's that only adds (``adding``) and an applying
+  call's, lowered to count their buffers. ``parameters(carry)``: the parameters, to
+  compare the loops' training.
   """
 
   sequences: int  # sequences a call takes
@@ -170,7 +170,6 @@ class Loop:
   step: Callable[[int, Any, Any], tuple[Any, Any]]
   carry: Any
   programs: dict[str, tuple[Any, tuple, dict[str, Any]]]
-  adding: tuple[str, ...]
   parameters: Callable[[Any], Any] = lambda carry: carry[0]
   next_call: int = 0
 
@@ -253,7 +252,7 @@ def modulo_floor(problem: Problem, tokens: np.ndarray, inner: optax.GradientTran
   acc, opt_state = _init(zeros_float32, params), _init(inner.init, params)
   programs = {"adding": (micro_step, (params, acc, tokens), {}),
               "applying": (apply_step, (params, acc, opt_state, tokens), {})}
-  return Loop(len(tokens), EVERY_K, step, (params, acc, opt_state), programs, ("adding",))
+  return Loop(len(tokens), EVERY_K, step, (params, acc, opt_state), programs)
 
 
 def transform_loop(problem: Problem, tokens: np.ndarray, tx: optax.GradientTransformation,
@@ -274,7 +273,7 @@ def transform_loop(problem: Problem, tokens: np.ndarray, tx: optax.GradientTrans
   programs = ({"adding": (jitted, args, {"apply": False}),
                "applying": (jitted, args, {"apply": True})} if host
               else {"adding": (jitted, args, {}), "applying": (jitted, args, {})})
-  return Loop(len(tokens), EVERY_K, step, (params, state), programs, ("adding",))
+  return Loop(len(tokens), EVERY_K, step, (params, state), programs)
 
 
 def whole_batch(problem: Problem, tokens: np.ndarray, inner: optax.GradientTransformation,
@@ -294,7 +293,7 @@ def whole_batch(problem: Problem, tokens: np.ndarray, inner: optax.GradientTrans
   params = problem.fresh_params()
   opt_state = _init(inner.init, params)
   programs = {"adding": (step_fn, (params, opt_state, tokens), {})}
-  return Loop(len(tokens), 1, step, (params, opt_state), programs, ("adding",))
+  return Loop(len(tokens), 1, step, (params, opt_state), programs)
 
 
 # ---------------------------------------------------------------------------
@@ -334,10 +333,10 @@ def nnx_loop(problem: Problem, tokens: np.ndarray, tx: optax.GradientTransformat
     programs = {"adding": (jitted, (model, optimizer, tokens), {})}
     programs["applying"] = programs["adding"]
     return Loop(len(tokens), EVERY_K, lambda call, carry, tokens: (carry, jitted(
-        *carry, tokens)), (model, optimizer), programs, ("adding",), _nnx_parameters)
+        *carry, tokens)), (model, optimizer), programs, _nnx_parameters)
   schedule = accum_jax.HostSchedule(optimizer)
   readme = nnx.jit(body, static_argnames="apply", donate_argnums=(0, 1))
-  programs = {f"{label}": (readme, (model, optimizer, tokens), {"apply": apply})
+  programs = {label: (readme, (model, optimizer, tokens), {"apply": apply})
               for label, apply in (("adding", False), ("applying", True))}
   if form == "readme":
     def step(call, carry, tokens):
@@ -371,12 +370,11 @@ def nnx_loop(problem: Problem, tokens: np.ndarray, tx: optax.GradientTransformat
     def step(call, state, tokens):
       return merged(state, tokens, apply=schedule.next())
 
-    return Loop(len(tokens), EVERY_K, step, state, programs, ("adding",),
+    return Loop(len(tokens), EVERY_K, step, state, programs,
                 lambda state: nnx.state(nnx.merge(graphdef, state)[0], nnx.Param))
   else:
     raise ValueError(f"{form=} is not one of device, readme, cached, split, tree_mode.")
-  return Loop(len(tokens), EVERY_K, step, (model, optimizer), programs, ("adding",),
-              _nnx_parameters)
+  return Loop(len(tokens), EVERY_K, step, (model, optimizer), programs, _nnx_parameters)
 
 
 def loop_builders(problem: Problem) -> dict[str, Callable[[np.ndarray], Loop]]:
