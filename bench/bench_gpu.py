@@ -3,7 +3,8 @@
 The sections, on ``models.GPT2_SMALL``: ``step`` (``gpu_step.py``, inside one step: the
 hand-written scan, the door's three ways of judging non-finite data and the full batch,
 timed, compiled, and the door checked against the scan: exit 1 beyond bfloat16
-rounding); ``across_calls`` (``bench_micro_step.py``'s rows); ``loop`` (``bench_loop.py``);
+rounding); ``across_calls`` (``bench_micro_step.py``'s rows); ``loop`` (``bench_loop.py``'s
+loops over plain arrays and ``nnx.State``, then its memory section);
 ``fit`` (``gpu_step.py``: the largest full batch that fits, then ``--fit-factor`` times
 it microbatched; on a GPU, or with ``--fit``). ``gpu_report.py`` prints both doors in
 one table (``--compare``: an earlier run's figures beside it) and the headline figures.
@@ -29,10 +30,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+import bench_loop
 import jax
 import models
 from _common import Budget, environment, git_commit, tree_nbytes, write_json
-from bench_loop import measure as measure_loops
 from bench_micro_step import measure_rows
 from gpu_report import fit_table, goals, header, print_report, records_of
 from gpu_step import (
@@ -161,15 +162,25 @@ def _across_section(run: Run, loss: Any, params: Any) -> None:
 
 
 def _loop_section(run: Run, loss: Any, params: Any) -> None:
+  """bench_loop.py's loops on the model in both containers (built there: plain arrays
+  and ``nnx.State``), then its memory section if the budget allows."""
   rounds = min(run.rounds, LOOP_ROUNDS)
   print(f"\nthe training loop, every_k=8, one sequence a call from a host NumPy array,"
         f" {rounds} rounds of {LOOP_WINDOWS} windows:", flush=True)
   run.config["loop"] = {"rounds": rounds, "windows": LOOP_WINDOWS, "micro": 1}
   data = host_tokens(16 * 8, run.model.context, run.model.vocab, seed=2)
-  run.output["loop"] = measure_loops(loss, params, data, micro=1, rounds=rounds,
-                                     windows=LOOP_WINDOWS,
-                                     should_start=lambda: run.budget.left("loop"))
+  results = bench_loop.measure(bench_loop.problems(run.model), data, micro=1, rounds=rounds,
+                               windows=LOOP_WINDOWS, should_start=lambda: run.budget.left("loop"))
+  # gpu_report.py reads the plain arrays' rows as the loop's.
+  run.output["loop"] = results[bench_loop.ARRAYS]
+  run.output["loop_nnx_state"] = results[bench_loop.STATE]
+  bench_loop.print_report(results[bench_loop.STATE], f"{bench_loop.STATE}, ")
   run.save()
+  if run.budget.left("loop"):
+    print("\nmemory beyond the arguments (temp + output - alias), compiled only:", flush=True)
+    run.output["loop_memory"] = bench_loop.memory_section()
+    print(bench_loop.memory_table(run.output["loop_memory"]))
+    run.save()
 
 
 def _fit_section(run: Run, loss: Any, params: Any) -> None:

@@ -8,8 +8,9 @@ float32 loss (the mean next-token cross-entropy), random tokens drawn with NumPy
 loss is a pure function of ``nnx.split(model, nnx.Param)``'s parameters. ``TINY`` is
 the same code at a CPU's size.
 
-:func:`gpt2_tree` (bench_micro_step.py; bench_loop.py on a CPU): the same 148 leaves
-as plain arrays, width 64, bfloat16, with :func:`loss_fn` over one sequence.
+:func:`gpt2_tree` (bench_micro_step.py; bench_loop.py's plain arrays): the same 148
+leaves as plain arrays, width 64 by default, bfloat16, with :func:`loss_fn` over one
+sequence. bench_loop.py's ``nnx.State`` parameters are :class:`GPT`'s at the same sizes.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class Config:
   mlp: int
   vocab: int
   context: int
+  dtype: str = "bfloat16"  # of the parameters and the compute
 
 
 GPT2_SMALL = Config(layers=12, width=768, heads=12, mlp=3072, vocab=50304, context=1024)
@@ -45,7 +47,7 @@ class Block(nnx.Module):
   """Pre-LayerNorm: x + attention(LN(x)), then x + MLP(LN(x))."""
 
   def __init__(self, config: Config, attention: str, *, rngs: nnx.Rngs):
-    kw = {"dtype": jnp.bfloat16, "param_dtype": jnp.bfloat16, "rngs": rngs}
+    kw = {"dtype": jnp.dtype(config.dtype), "param_dtype": jnp.dtype(config.dtype), "rngs": rngs}
     self.heads = config.heads
     self.attention = attention
     self.ln1 = nnx.LayerNorm(config.width, **kw)
@@ -69,7 +71,7 @@ class GPT(nnx.Module):
   """Token and learned position embeddings, blocks, final LayerNorm, tied head."""
 
   def __init__(self, config: Config, attention: str, *, rngs: nnx.Rngs):
-    kw = {"dtype": jnp.bfloat16, "param_dtype": jnp.bfloat16, "rngs": rngs}
+    kw = {"dtype": jnp.dtype(config.dtype), "param_dtype": jnp.dtype(config.dtype), "rngs": rngs}
     self.wte = nnx.Embed(config.vocab, config.width, **kw)
     self.wpe = nnx.Embed(config.context, config.width, **kw)
     self.blocks = _LIST([Block(config, attention, rngs=rngs) for _ in range(config.layers)])
@@ -109,12 +111,17 @@ def make_model(config: Config, attention: str, seed: int = 0):
   return graphdef, jax.device_put(jax.tree.map_with_path(fill, shapes))
 
 
+def model_loss(model: GPT, tokens: jax.Array) -> jax.Array:
+  """Mean next-token cross-entropy of (batch, T + 1) tokens, in float32."""
+  logits = model(tokens[:, :-1]).astype(jnp.float32)
+  return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+
 def make_loss(graphdef: Any) -> Callable[[Any, jax.Array], jax.Array]:
+  """:func:`model_loss` as a function of ``nnx.split(model, nnx.Param)``'s parameters."""
+
   def loss_fn(params, tokens):
-    """Mean next-token cross-entropy of (batch, T + 1) tokens, in float32."""
-    model = nnx.merge(graphdef, params)
-    logits = model(tokens[:, :-1]).astype(jnp.float32)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+    return model_loss(nnx.merge(graphdef, params), tokens)
 
   return loss_fn
 
@@ -148,7 +155,8 @@ def resolve_attention(requested: str, config: Config) -> str:
   return "cudnn"
 
 
-def gpt2_tree(layers: int = 12, width: int = 64, vocab: int = 128, context: int = 16) -> Any:
+def gpt2_tree(layers: int = 12, width: int = 64, vocab: int = 128, context: int = 16,
+              dtype: Any = jnp.bfloat16) -> Any:
   """Parameters shaped like GPT-2's (148 leaves at 12 layers), narrow, in bfloat16."""
   keys = iter(jax.random.split(jax.random.key(0), 8 * layers + 4))
 
@@ -169,7 +177,7 @@ def gpt2_tree(layers: int = 12, width: int = 64, vocab: int = 128, context: int 
         "attn": {"qkv": dense(width, 3 * width), "proj": dense(width, width)},
         "mlp": {"fc": dense(width, 4 * width), "proj": dense(4 * width, width)},
     }
-  return jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+  return jax.tree.map(lambda x: x.astype(dtype), params)
 
 
 def _layer_norm(p: Any, x: jax.Array) -> jax.Array:
@@ -189,11 +197,11 @@ def _block(p: Any, x: jax.Array, heads: int = 4) -> jax.Array:
   return x + hidden @ p["mlp"]["proj"]["w"] + p["mlp"]["proj"]["b"]
 
 
-def loss_fn(params: Any, tokens: jax.Array) -> jax.Array:
+def loss_fn(params: Any, tokens: jax.Array, heads: int = 4) -> jax.Array:
   """Next-token cross-entropy of one sequence of :func:`gpt2_tree`, in float32."""
   inputs, targets = tokens[:-1], tokens[1:]
   x = params["wte"][inputs] + params["wpe"][: inputs.shape[0]]
   for name in sorted(k for k in params if k.startswith("h")):
-    x = _block(params[name], x)
+    x = _block(params[name], x, heads)
   logits = (_layer_norm(params["ln_f"], x) @ params["wte"].T).astype(jnp.float32)
   return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()

@@ -3,9 +3,9 @@
 ``bench/bench_microbatch.py`` and ``bench/bench_sharded.py`` take minutes, so the
 suite does not run them; a renamed option would break them unseen. Here each of
 their rows is built and lowered (not run) on a tiny model, bench_sharded.py's on the
-8 CPU devices of conftest.py. Every loop of ``bench/bench_loop.py`` is built on two
-leaves and run for a window: each trains as the others do, and its calls find the
-programs compiled ahead. Timings are not checked.
+8 CPU devices of conftest.py. Every loop of ``bench/bench_loop.py`` is built on three
+leaves in both containers and run for a window: each trains as the others do; its
+memory section compiles on four leaves. Timings are not checked.
 """
 
 from __future__ import annotations
@@ -17,11 +17,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import bench_loop  # noqa: E402
 import bench_microbatch  # noqa: E402
 import bench_sharded  # noqa: E402
+import models  # noqa: E402
 
 needs_8 = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (fake) devices")
 
@@ -43,30 +45,75 @@ def test_bench_sharded_builds_each_library_row(method):
   step.lower(*args)
 
 
-def test_every_loop_of_bench_loop_trains_alike_and_runs_what_it_compiled():
-  def loss(params, x):
-    return jnp.mean((x @ params["w"] + params["b"]) ** 2)
+class _Tiny(nnx.Module):
+  def __init__(self, *, rngs: nnx.Rngs):
+    self.embed = nnx.Embed(16, 4, rngs=rngs)
+    self.out = nnx.Linear(4, 1, rngs=rngs)
 
-  params = {"w": jnp.full((4, 3), 0.1, jnp.float32), "b": jnp.zeros(3, jnp.float32)}
-  data = np.random.default_rng(0).normal(size=(16, 4)).astype(np.float32)
-  loops, results = bench_loop.build(loss, params, data, micro=1)
-  assert set(loops) == set(bench_loop.loop_builders(loss)), results
-  # One window each: the same 8 rows, one AdamW step on their mean gradient.
-  for name, loop in loops.items():
-    assert loop.next_call == loop.calls == (bench_loop.EVERY_K if loop.sequences == 1 else 1)
-    jax.tree.map(lambda a, b, name=name: np.testing.assert_allclose(
-        a, b, rtol=1e-6, atol=1e-7, err_msg=name), loop.carry[0], loops[bench_loop.FLOOR].carry[0])
-  assert not np.allclose(loops[bench_loop.HOST].carry[0]["b"], 0)
-  bench_loop.time_rounds(loops, results, data, rounds=1, windows=1)
-  for name, entry in results.items():
-    assert entry["compiled_after_runs"] in (entry["programs"], None), (name, entry)
-    assert entry["samples_per_s"] > 0 and entry["micro_step"]["buffers_in"] > 0, (name, entry)
-    for door in bench_loop.doors(name):
-      assert entry["ratio"][door] > 0, (name, entry)
-  # The host schedule hands over its state on every call; the floor's micro-step does not.
-  assert (results[bench_loop.HOST]["micro_step"]["buffers_in"]
-          > results[bench_loop.FLOOR]["micro_step"]["buffers_in"])
-  tables = bench_loop.tables(results)
-  assert bench_loop.FULL in tables[bench_loop.ACROSS] and bench_loop.FULL in tables[
-      bench_loop.INSIDE]
+  def __call__(self, tokens):
+    return self.out(self.embed(tokens))
+
+
+def _tiny_problems() -> dict[str, bench_loop.Problem]:
+  """Three leaves in both containers: plain arrays and ``nnx.State``."""
+
+  def model_loss(model, tokens):
+    return jnp.mean(model(tokens) ** 2)
+
+  def array_loss(p, tokens):
+    return jnp.mean((p["embed"]["embedding"][tokens] @ p["out"]["kernel"] + p["out"]["bias"])
+                    ** 2)
+
+  graphdef, state = nnx.split(_Tiny(rngs=nnx.Rngs(0)), nnx.Param)
+  return {bench_loop.ARRAYS: bench_loop.Problem(bench_loop.ARRAYS, array_loss,
+                                                nnx.to_pure_dict(state)),
+          bench_loop.STATE: bench_loop.Problem(
+              bench_loop.STATE, lambda p, t: model_loss(nnx.merge(graphdef, p), t), state,
+              graphdef, model_loss)}
+
+
+def test_every_loop_of_bench_loop_trains_alike_in_both_containers():
+  groups = _tiny_problems()
+  data = models.host_tokens(16, 4, 16)
+  loops, results = bench_loop.build(groups, data, micro=1)
+  for container, problem in groups.items():
+    built = loops[container]
+    assert set(built) == set(bench_loop.loop_builders(problem)), results[container]
+    # A window each: the same 8 rows, one AdamW step on their mean gradient.
+    floor = built[bench_loop.FLOOR]
+    expected = jax.tree.leaves(floor.parameters(floor.carry))
+    start = jax.tree.leaves(problem.params)
+    assert not np.allclose(expected[0], start[0])
+    for name, loop in built.items():
+      assert loop.next_call == loop.calls, name
+      found = jax.tree.leaves(loop.parameters(loop.carry))
+      assert len(found) == len(expected), name
+      for a, b in zip(found, expected):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7, err_msg=f"{container}: {name}")
+    bench_loop.time_rounds(built, results[container], data, rounds=1, windows=1)
+    entries = results[container]
+    for name, entry in entries.items():
+      assert entry["samples_per_s"] > 0 and entry["host_ms_per_call"] > 0, (name, entry)
+      for door in bench_loop.doors(name):
+        assert entry["ratio"][door] > 0, (name, entry)
+    buffers = {name: entry["buffers"] for name, entry in entries.items()}
+    # The default state passes fewer buffers than a buffer per leaf; the lean micro-step
+    # returns no parameters.
+    assert buffers[bench_loop.HOST]["adding_in"] < buffers[bench_loop.TREE]["adding_in"]
+    assert (buffers[bench_loop.LEAN]["adding_out"]
+            == buffers[bench_loop.FLOOR]["adding_out"] - len(start))
+  tables = bench_loop.tables(results[bench_loop.ARRAYS])
+  assert bench_loop.SCAN in tables[bench_loop.INSIDE]
   assert bench_loop.SCAN not in tables[bench_loop.ACROSS]
+  assert bench_loop.INSIDE not in bench_loop.tables(results[bench_loop.STATE])
+
+
+def test_bench_loop_s_memory_section_compiles_every_program():
+  memory = bench_loop.memory_section({"layers": 0, "width": 8, "vocab": 16, "context": 4})
+  assert set(memory["rows"]) == {bench_loop.FLOOR, bench_loop.HOST, bench_loop.TREE,
+                                 bench_loop.MULTISTEPS}
+  for name, entry in memory["rows"].items():
+    for label in ("adding", "applying"):
+      assert entry[label]["beyond_arguments_bytes"] >= 0, (name, entry)
+  assert memory["rows"][bench_loop.FLOOR]["applying"]["to_floor"] == 1
+  assert bench_loop.MULTISTEPS in bench_loop.memory_table(memory)

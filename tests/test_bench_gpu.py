@@ -271,16 +271,12 @@ def test_the_loop_s_figures_join_the_one_table_and_the_goals() -> None:
       bench_loop.HOST: loop(90.0, {"across calls": 0.93}),
       bench_loop.SCAN: loop(200.0, {"inside a step": 1.0}),
       bench_loop.VALUE_AND_GRAD: loop(190.0, {"inside a step": 0.96}),
-      bench_loop.FULL: loop(400.0, {"across calls": 4.1, "inside a step": 2.05}),
       bench_loop.MULTISTEPS: {"status": "skipped (budget)"},
   }}
   records = gpu_report.records_of(output)
   cells = _cells(gpu_report.one_table(records))
   host = cells["across calls", "the loop, window of 8", bench_loop.HOST]
   assert host[3:5] == ["88.889", "1.111"], host  # ms per window; to the floor's
-  # The full batch in both doors' rows, each to its own reference.
-  assert cells["inside a step", "the loop, batch of 8", bench_loop.FULL][3:5] == [
-      "20.000", "0.500"]
   assert cells["across calls", "the loop, window of 8", bench_loop.MULTISTEPS][3] == (
       "skipped (budget)")
   figures = {g[0]: g[1:] for g in gpu_report.goals(records)}
