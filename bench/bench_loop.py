@@ -104,21 +104,17 @@ def doors(name: str) -> tuple[str, ...]:
 
 
 # The layout of accumulate's state: a few buffers by default, or one per leaf.
-_HAS_LAYOUT = "layout" in inspect.signature(accum_jax.accumulate).parameters
+
 
 
 def accumulate_default(inner: optax.GradientTransformation, k: int):
   """``accumulate`` as its default state gives it: a few buffers on one device."""
-  if _HAS_LAYOUT:
-    return accum_jax.accumulate(inner, k)
-  return accum_jax.accumulate(inner, k, pack_inner_state=True)
+  return accum_jax.accumulate(inner, k)
 
 
 def accumulate_tree(inner: optax.GradientTransformation, k: int):
   """``accumulate`` with a buffer per leaf of the accumulator and of the inner state."""
-  if _HAS_LAYOUT:
-    return accum_jax.accumulate(inner, k, layout="tree")
-  return accum_jax.accumulate(inner, k)
+  return accum_jax.accumulate(inner, k, layout="tree")
 
 
 @dataclasses.dataclass
@@ -716,7 +712,7 @@ def main(argv: list[str] | None = None) -> int:
   start = environment()
   report: dict[str, Any] = {
       "environment": start, "commit": git_commit(), "rounds": rounds, "windows": windows,
-      "every_k": EVERY_K, "micro": args.micro, "layout_option": _HAS_LAYOUT,
+      "every_k": EVERY_K, "micro": args.micro,
       "configurations": {}}
   print(f"the training loop, every_k={EVERY_K}, {args.micro} sequence(s) a microbatch;"
         f" {rounds} rounds of {windows} window(s) per loop, interleaved; data sliced from a"
