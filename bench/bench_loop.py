@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import inspect
 import statistics
 import sys
 import time
