@@ -664,3 +664,27 @@ def test_nnx_optimizer_with_the_packed_state_equals_the_full_batch(name):
   tree_allclose(nnx.state(model, nnx.Param), nnx.state(ref_model, nnx.Param))
   # A few buffers: the bucket of each dtype, the counters, and the inner state's scalars.
   assert len(jax.tree.leaves(optimizer.opt_state)) <= 16
+
+
+def test_accumulate_over_an_nnx_state_of_params_under_plain_jax_jit():
+  # nnx.split's state of nnx.Param under jax.jit: the gradient keeps the Variables,
+  # and the inner optimizer gets its state with them, in either layout.
+  nnx = pytest.importorskip("flax.nnx")
+  graphdef, params = nnx.split(nnx.Linear(4, 3, rngs=nnx.Rngs(0)), nnx.Param)
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(8, 4)), jnp.float32)
+
+  def loss(p, x):
+    return jnp.mean(nnx.merge(graphdef, p)(x) ** 2)
+
+  results = []
+  for layout in ("packed", "tree"):
+    tx = accum_jax.accumulate(optax.adamw(1e-2), 2, layout=layout)
+    p, state = params, tx.init(params)
+    step = jax.jit(lambda p, s, apply, tx=tx: tx.update(jax.grad(loss)(p, x), s, p, apply=apply),
+                   static_argnames="apply")
+    for i in range(4):
+      updates, state = step(p, state, apply=i % 2 == 1)
+      p = optax.apply_updates(p, updates)
+    assert int(accum_jax.optimizer_step(state)) == 2
+    results.append(p)
+  tree_allclose(*results)

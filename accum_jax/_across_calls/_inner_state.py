@@ -23,7 +23,6 @@ def stored(inner_state: Any, params: Any, *, packed: bool) -> Any:
   """The inner state as the state keeps it: in buckets (:class:`_layout.Packed`), or
   as its tree with each parameter-shaped leaf placed like its parameter."""
   if packed:
-    inner_state = _layout.unwrapped(inner_state)
     return _layout.plan(inner_state).pack(inner_state)
   return sharded_like(inner_state, params)
 

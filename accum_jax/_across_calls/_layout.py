@@ -73,6 +73,7 @@ class Layout:
   shapes: tuple[tuple[int, ...], ...]  # per leaf of the tree
   keys: tuple[Any, ...]  # per leaf of the Packed (its buckets', then its kept leaves'): plan's
   source: Any  # the structure of the tree planned (NNX Variables unwrapped)
+  wrapped: Any  # treedef's, with the tree's NNX Variables (as plain jax.jit over them sees it)
 
   def pack(self, tree: Any) -> Packed:
     """``tree`` (of this layout's leaves, in any container) as a :class:`Packed`."""
@@ -109,15 +110,15 @@ class Packed:
   skeleton: Any
   layout: Layout
 
-  def unpack(self, treedef: Any = None) -> Any:
-    """The tree (of ``treedef``, default the skeleton's), each bucketed leaf a slice of
-    its bucket."""
+  def unpack(self, treedef: Any = None, wrapped: bool = False) -> Any:
+    """The tree (of ``treedef``, default the skeleton's: with the NNX Variables the
+    planned tree had if ``wrapped``), each bucketed leaf a slice of its bucket."""
     kept = iter(jax.tree.leaves(self.skeleton))  # a Slot is a node with no leaf
     leaves = []
     for slot in self.layout.slots:
       leaves.append(next(kept) if slot is None else _leaf(self.vectors[slot.bucket], slot))
     if treedef is None:
-      return jax.tree.unflatten(self.layout.treedef, leaves)
+      treedef = self.layout.wrapped if wrapped else self.layout.treedef
     return jax.tree.unflatten(treedef, leaves)
 
 
@@ -138,6 +139,7 @@ def plan(tree: Any, keys: Any = None) -> Layout:
   ``nnx.Param`` state and ``update`` plain arrays, so the tree a :class:`Packed`
   gives back is the plain one ``update`` sees.
   """
+  wrapped_def = jax.tree.structure(tree)
   leaves, treedef = jax.tree.flatten(unwrapped(tree))
   keys = [None] * len(leaves) if keys is None else list(keys)
   slots: list[Slot | None] = []
@@ -164,8 +166,10 @@ def plan(tree: Any, keys: Any = None) -> Layout:
   kept = [leaf if slot is None else slot for leaf, slot in zip(leaves, slots)]
   skeleton_def = jax.tree.structure(jax.tree.unflatten(treedef, kept), is_leaf=_is_slot)
   shapes = tuple(tuple(jnp.shape(x)) for x in leaves)
+  wrapped = wrapped_def if wrapped_def == treedef else jax.tree.structure(
+      jax.tree.unflatten(wrapped_def, kept), is_leaf=_is_slot)
   return Layout(skeleton_def, tuple(slots), tuple(sizes), shapes,
-                tuple(packed_keys(slots, len(sizes), keys)), treedef)
+                tuple(packed_keys(slots, len(sizes), keys)), treedef, wrapped)
 
 
 def packed_keys(slots: list[Slot | None], buckets: int, keys: list[Any]) -> list[Any]:
@@ -209,6 +213,16 @@ def unwrapped(tree: Any) -> Any:
     return tree
   return jax.tree.map(lambda v: v.get_value() if isinstance(v, nnx.Variable) else v, tree,
                       is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def has_variables(tree: Any) -> bool:
+  """Whether ``tree`` holds Flax NNX Variables (as a plain ``jax.jit`` over an
+  ``nnx.State`` sees it; ``nnx.Optimizer`` hands ``update`` plain arrays)."""
+  nnx = sys.modules.get("flax.nnx")
+  if nnx is None:
+    return False
+  nodes = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  return any(isinstance(x, nnx.Variable) for x in nodes)
 
 
 def tree_of(stored: Any, treedef: Any = None) -> Any:

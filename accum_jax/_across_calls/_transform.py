@@ -311,9 +311,9 @@ def _emit(options, call, window, stored):
   """The inner update on the window: the updates, the inner state as stored, and the
   window's noise (``()`` without gradient noise)."""
   packed = isinstance(stored, _layout.Packed)
-  new_updates, new_tree = _inner_update(
-      options, call, stored.unpack() if packed else stored, window.accumulator,
-      window.value_accumulator)
+  tree = stored.unpack(wrapped=_layout.has_variables(call.grads)) if packed else stored
+  new_updates, new_tree = _inner_update(options, call, tree, window.accumulator,
+                                        window.value_accumulator)
   if packed:
     new_state = _inner_state.repack(stored, new_tree)  # its leaves cast in place
   else:
