@@ -42,28 +42,34 @@ reduce-scatter across devices sums. :func:`share_result` multiplies the total by
 
 Each leaf combines in one of four ways (``kinds``, one per leaf; None: all
 ``"mean"``): ``"mean"`` and ``"sum"`` are the weighted sums above, normalised
-differently at the end; ``"max"`` and ``"last"`` are statistics (such as Flax's
-FP8 amax histories, whose "gradient" is their new value): each keeps the raw
-values of the kept pytrees, unweighted, in the leaf's own dtype, the
-elementwise maximum or the last one::
-
-  total = x                     if nothing was kept before
-  total = max(total, x)         "max"
-  total = x                     "last"
-
-:func:`merge_statistics` combines them across devices (the maximum, or the last
-device's that kept any), and the result is 0 where nothing was kept.
+differently at the end; ``"max"`` and ``"last"`` are statistics, whose raw values
+are kept (``_statistics``). Dtypes and placement are in ``_arrays``.
 """
 
 from __future__ import annotations
 
 import functools
-import operator
-from collections.abc import Sequence
 from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+from accum_jax._arrays import (  # noqa: F401  (re-exported: the core's vocabulary)
+    _wide,
+    accumulator_dtype_for,
+    canonicalize_accumulator_dtype,
+    explicitly_sharded,
+    is_narrow,
+    is_sharded,
+    positive_int,
+    zeros_like,
+)
+from accum_jax._statistics import (  # noqa: F401  (re-exported likewise)
+    add_statistic,
+    is_statistic,
+    merge_statistics,
+    statistic_result,
+)
 
 # How one leaf reduces over microbatches or calls; see the module docstring.
 Reduction = Literal["mean", "sum", "max", "last"]
@@ -91,97 +97,6 @@ class Accumulator(NamedTuple):
   weight: jax.Array
   count: jax.Array  # type: ignore[assignment]  # shadows tuple.count
   num_skipped: jax.Array
-
-
-def positive_int(value: Any) -> int | None:
-  """``value`` as an int if it is a Python, NumPy or concrete JAX integer >= 1."""
-  if isinstance(value, bool):
-    return None
-  try:
-    number = operator.index(value)
-  except TypeError:
-    return None
-  return number if number >= 1 else None
-
-
-def canonicalize_accumulator_dtype(accumulator_dtype: Any) -> jnp.dtype | None:
-  """Checks ``accumulator_dtype``: None (the parameters' dtype) or a float."""
-  if accumulator_dtype is None:
-    return None
-  try:
-    dtype = jnp.dtype(accumulator_dtype)
-  except TypeError as e:
-    raise ValueError(
-        f"accumulator_dtype={accumulator_dtype!r} is not a dtype. Pass a floating"
-        " dtype such as jnp.float32, or None to accumulate in the parameters'"
-        " dtype."
-    ) from e
-  if not jnp.issubdtype(dtype, jnp.inexact):
-    raise ValueError(
-        f"accumulator_dtype={dtype} is not a floating dtype: an integer"
-        " accumulator would truncate every gradient. Pass jnp.float32 (the"
-        " default), or None to accumulate in the parameters' dtype."
-    )
-  return dtype
-
-
-def accumulator_dtype_for(leaf_dtype: Any, accumulator_dtype: Any) -> jnp.dtype:
-  """The accumulator dtype of one leaf: the promotion of both (None: the leaf's).
-
-  float32 with bfloat16 gives float32, with complex64 complex64 (a real
-  accumulator would drop the imaginary part), with float64 float64.
-  """
-  leaf_dtype = jnp.dtype(leaf_dtype)
-  if accumulator_dtype is None:
-    return leaf_dtype
-  return jnp.promote_types(accumulator_dtype, leaf_dtype)
-
-
-def is_narrow(dtype: Any) -> bool:
-  """Whether ``dtype`` is a float narrower than float32 (float16, bfloat16, fp8)."""
-  dtype = jnp.dtype(dtype)
-  return jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32
-
-
-def zeros_like(x: Any, dtype: Any = None) -> jax.Array:
-  """Zeros with the shape and sharding of ``x``, in ``dtype`` (default ``x``'s).
-
-  ``x`` may be an array, a tracer or a ``jax.ShapeDtypeStruct``. Under
-  ``jax.jit`` a constant zero has no sharding of its own and comes out
-  replicated; the zeros made here keep ``x``'s:
-
-  - with explicit sharding (the array type carries its sharding), the zeros are
-    made with that sharding;
-  - with automatic sharding, the zeros are an expression of ``x``, whose sharding
-    they inherit by propagation (not ``x * 0``, which is NaN where ``x`` is not
-    finite);
-  - a ``ShapeDtypeStruct`` with a ``NamedSharding`` gives zeros with it.
-
-  Args:
-    x: an array, tracer or ``jax.ShapeDtypeStruct``.
-    dtype: the dtype of the zeros; None keeps ``x``'s.
-
-  Returns:
-    An array of zeros shaped like ``x``.
-
-  Examples:
-    >>> import jax.numpy as jnp
-    >>> from accum_jax import _core
-    >>> _core.zeros_like(jnp.ones((2, 3)), jnp.bfloat16).dtype
-    dtype(bfloat16)
-  """
-  # JAX's own dtype: a numpy float64 leaf gives float32 zeros (unless x64 is on),
-  # as it would once traced, without a warning that float64 was asked for.
-  dtype = jax.dtypes.canonicalize_dtype(x.dtype if dtype is None else dtype)
-  if isinstance(x, jax.ShapeDtypeStruct):
-    sharding = x.sharding if isinstance(x.sharding, jax.sharding.NamedSharding) else None
-    return jnp.zeros(x.shape, dtype, out_sharding=sharding)
-  if isinstance(x, jax.core.Tracer):
-    if explicitly_sharded(x):
-      # The type carries the sharding, and zeros_like keeps the type's.
-      return jnp.zeros_like(x, dtype)
-    return jnp.zeros_like(x, dtype) * jnp.isnan(x).astype(dtype)
-  return jnp.zeros_like(x, dtype=dtype)
 
 
 def init(tree: Any, accumulator_dtype: Any = jnp.float32, kinds: Any = None) -> Accumulator:
@@ -254,32 +169,6 @@ def all_finite_packed(tree: Any, limit: int = PACK_LIMIT) -> jax.Array:
   return all_finite(vectors + alone)
 
 
-def explicitly_sharded(x: Any) -> bool:
-  """Whether the type of ``x`` (an array or a tracer) carries an explicit sharding
-  over a mesh axis; under automatic sharding a tracer's type says nothing."""
-  spec = getattr(jax.typeof(x).sharding, "spec", ())
-  return any(axis is not None for axis in spec)
-
-
-def is_sharded(x: Any) -> bool:
-  """Whether ``x`` is known to be split over devices: an array placed so, or a
-  traced value whose type carries an explicit sharding over a mesh axis (under
-  automatic sharding a tracer says nothing, and counts as not sharded)."""
-  if isinstance(x, jax.core.Tracer):
-    return explicitly_sharded(x)
-  sharding = getattr(x, "sharding", None)
-  return isinstance(x, jax.Array) and sharding is not None and not sharding.is_fully_replicated
-
-
-def _wide(dtype: Any) -> jnp.dtype:
-  return jnp.promote_types(dtype, jnp.float32)
-
-
-def is_statistic(kind: str) -> bool:
-  """Whether a leaf of ``kind`` keeps raw values ("max", "last"), not weighted sums."""
-  return kind in ("max", "last")
-
-
 def per_leaf(kinds: Any, tree: Any) -> list[str]:
   """One kind per leaf of ``tree``: ``kinds`` is None (all "mean"), a kind, or one per leaf."""
   num_leaves = len(jax.tree.leaves(tree))
@@ -301,68 +190,6 @@ def init_leaf(x: Any, kind: str, accumulator_dtype: Any) -> jax.Array:
   if is_statistic(kind):
     return zeros_like(x)
   return zeros_like(x, accumulator_dtype_for(x.dtype, accumulator_dtype))
-
-
-def add_statistic(
-    kind: str, total: jax.Array, x: jax.Array, keep: jax.Array, first: jax.Array
-) -> jax.Array:
-  """A "max" or "last" leaf with ``x`` added where ``keep``; ``first``: nothing kept yet.
-
-  No sentinel: an empty leaf holds zeros, which ``first`` replaces, so that the
-  accumulator stays finite and the maximum of negative values is right.
-  """
-  x = x.astype(total.dtype)
-  if kind == "max":
-    x = jnp.where(first, x, jnp.maximum(total, x))
-  return jnp.where(keep, x, total)
-
-
-def statistic_result(total: jax.Array, dtype: Any, weight: jax.Array) -> jax.Array:
-  """A "max" or "last" leaf's result in ``dtype``: 0 where nothing was kept (``weight`` 0)."""
-  return jnp.where(weight > 0, total, jnp.zeros((), total.dtype)).astype(dtype)
-
-
-def _lowest(dtype: Any) -> Any:
-  if jnp.issubdtype(dtype, jnp.floating):
-    return -jnp.inf
-  return jnp.iinfo(dtype).min if jnp.issubdtype(dtype, jnp.integer) else False
-
-
-def merge_statistics(
-    leaves: Sequence[jax.Array | None], kinds: Sequence[str], have: jax.Array, axis_name: Any
-) -> list[jax.Array | None]:
-  """The "max" and "last" leaves of all devices along ``axis_name``, on each device.
-
-  Inside ``jax.shard_map``, after each device's loop. ``"max"``: the maximum over
-  the devices that kept anything (``have``, this device's kept weight > 0);
-  ``"last"``: the value of the last such device in device order, which is batch
-  order. One ``pmax`` of the maxima, and for the last leaves one ``pmax`` of an
-  index and one ``psum`` (the other devices contribute zeros). Entries that are
-  None or of another kind come back None.
-  """
-  # A device that kept nothing offers the lowest value, which any kept one beats.
-  maxima = [
-      None if x is None or k != "max"
-      else jnp.where(have, x, jnp.asarray(_lowest(x.dtype), x.dtype))
-      for x, k in zip(leaves, kinds)
-  ]
-  out: list[jax.Array | None] = list(jax.lax.pmax(maxima, axis_name))
-  if "last" not in kinds:
-    return out
-  index = jax.lax.axis_index(axis_name)
-  last_device = jax.lax.pmax(jnp.where(have, index, -1), axis_name)
-
-  def own(x):  # bools cannot be summed: they travel as int32
-    x = jnp.where(index == last_device, x, jnp.zeros_like(x))
-    return x.astype(jnp.int32) if x.dtype == bool else x
-
-  lasts = jax.lax.psum(
-      [None if x is None or k != "last" else own(x) for x, k in zip(leaves, kinds)], axis_name
-  )
-  return [
-      last.astype(x.dtype) if last is not None and x is not None else m
-      for x, m, last in zip(leaves, out, lasts)
-  ]
 
 
 class Admission(NamedTuple):

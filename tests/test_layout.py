@@ -1,7 +1,7 @@
 """The house rules of the package, read from its import statements (no code runs).
 
 accum_jax's file list shows its design: the shared pieces at the top
-(``_core``, ``_arguments``, ``_noise``), the two ways in in private packages of
+(``_core`` with ``_arrays`` and ``_statistics``, ``_arguments``, ``_noise``), the two ways in in private packages of
 their own (``_across_calls``: ``accumulate`` and what only it uses;
 ``_inside_step``: ``value_and_grad`` and what only it uses), the public modules
 beside them, and ``testing``, which reads compiled programs and imports none of
@@ -15,7 +15,8 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "accum_jax"
-SHARED = {"accum_jax._core", "accum_jax._arguments", "accum_jax._noise"}
+SHARED = {"accum_jax._core", "accum_jax._arrays", "accum_jax._statistics", "accum_jax._arguments",
+          "accum_jax._noise"}
 DOORS = ("accum_jax._across_calls", "accum_jax._inside_step")
 PUBLIC = {"accum_jax", "accum_jax.checkpoint", "accum_jax.diagnostics", "accum_jax.equinox",
           "accum_jax.flax", "accum_jax.noise", "accum_jax.privacy"}

@@ -32,7 +32,7 @@ def repack(packed: _layout.Packed, tree: Any) -> _layout.Packed:
   ``packed``'s buckets, so that the state keeps one structure across calls."""
   leaves = jax.tree.leaves(tree)
   slots = packed.layout.slots
-  if len(leaves) != len(slots) or [jnp.shape(x) for x in leaves] != list(packed.layout.shapes):
+  if len(leaves) != len(slots) or tuple(map(jnp.shape, leaves)) != packed.layout.shapes:
     raise ValueError(
         "The inner optimizer's update returned a state whose leaves differ from the ones"
         f" its init made ({len(leaves)} leaves where init made {len(slots)}, or other"

@@ -18,7 +18,6 @@ import optax
 from accum_jax import _core
 from accum_jax._across_calls import _layout, _schedules
 
-
 # The int32 counters of a state, one vector (``AccumulationState.counts``): a call
 # passes one buffer for them all. Each is read by the property of its name.
 COUNTS = (

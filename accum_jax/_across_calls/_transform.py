@@ -5,7 +5,7 @@
   options = _make_options(...)                  # once, when it is built
   call = _bind(options, grads, state, ...)      # per call: checks, the gradient packed
   window = _add(options, call, state)           # the call into the window; does it end?
-  inner = _host_apply(...) or _device_step(...) # the inner update, on emitting calls only
+  inner = _apply.host_apply(...) or ...          # the inner update, on emitting calls only
   return inner.updates, _next_state(...)        # counters advanced, the window closed
 
 Who decides that a window ends: the host, with ``apply=`` a Python bool (two
@@ -23,7 +23,6 @@ checks of one call's arguments in ``_update_args``, the gradient-noise fields in
 
 from __future__ import annotations
 
-import functools
 from typing import Any, NamedTuple, Protocol
 
 import jax
@@ -31,7 +30,7 @@ import jax.numpy as jnp
 import optax
 
 from accum_jax import _arguments, _core, _noise
-from accum_jax._across_calls import _inner_checks, _inner_state, _layout, _noise_fields
+from accum_jax._across_calls import _apply, _inner_checks, _inner_state, _layout, _noise_fields
 from accum_jax._across_calls import _update_args as _args
 from accum_jax._across_calls._schedules import EveryKSchedule, WindowSchedule, check_every_k
 from accum_jax._across_calls._state import COUNT, COUNTS, SUM, SUMS, AccumulationState, Reductions
@@ -90,16 +89,6 @@ class _Window(NamedTuple):
   noise: Any  # the window's noise sums, () without gradient noise
   done: jax.Array  # shape=(), dtype=bool: the window ends with this call
   apply: Any  # bool: ... and the inner optimizer runs on it (a Python bool where surely)
-
-
-class _Inner(NamedTuple):
-  """What the inner optimizer made of this call."""
-
-  updates: Any  # zeros unless applied
-  state: Any  # the inner optimizer's state after this call
-  last_noise: Any  # the last applied window's GradientNoise, () without gradient noise
-  applied: Any  # bool: the window was applied (a Python bool where the host decided)
-  total: Any = None  # the window's total after the call; None: the sum with this call
 
 
 def _make_options(
@@ -282,153 +271,7 @@ def _drop_overflowing_sum(window: _Window, call: _Call) -> _Window:
   return window._replace(counts=counts, apply=window.apply & ~overflows)
 
 
-def _inner_update(options, call, inner_state, acc, value_window):
-  """The inner optimizer's update on the window's gradient (and `value`)."""
-  grads = _core.result(acc, call.packed, call.kinds)
-  if isinstance(grads, _layout.Packed):
-    grads = grads.unpack(jax.tree.structure(call.grads))
-  window_args = {}
-  if value_window is not None:
-    window_args["value"] = _core.result(value_window, call.value, options.value_reduction)
-  if call.window_grad:
-    window_args["grad"] = grads
-  return options.inner.update(grads, inner_state, call.params, **call.extra_args, **window_args)
-
-
-def _window_finite(options, acc, value_window) -> Any:
-  """With ``on_nonfinite="skip_window"``, whether the window's sums (and its
-  ``value``s) are finite: one reduction per buffer when the window is applied,
-  none per call. True where nothing is judged here."""
-  if options.on_nonfinite != "skip_window":
-    return True
-  finite = _core.all_finite(acc.total)
-  if value_window is not None:
-    finite = finite & jnp.isfinite(value_window.total)
-  return finite
-
-
-def _emit(options, call, window, stored):
-  """The inner update on the window: the updates, the inner state as stored, and the
-  window's noise (``()`` without gradient noise)."""
-  packed = isinstance(stored, _layout.Packed)
-  tree = stored.unpack(wrapped=_layout.has_variables(call.grads)) if packed else stored
-  new_updates, new_tree = _inner_update(options, call, tree, window.accumulator,
-                                        window.value_accumulator)
-  if packed:
-    new_state = _inner_state.repack(stored, new_tree)  # its leaves cast in place
-  else:
-    new_state = _cast_like(new_tree, stored)
-  noise = _noise_fields.window(window, call) if options.track_noise else ()
-  return new_updates, new_state, noise
-
-
-def _cast_like(new: Any, old: Any) -> Any:
-  # Some optimizers return state leaves with wider or weak dtypes than init
-  # made; the state keeps one type across calls.
-  return jax.tree.map(
-      lambda n, o: jax.lax.convert_element_type(n, jnp.result_type(o)), new, old)
-
-
-def _host_apply(options, call, state, window) -> _Inner:
-  """The host's applying call: the inner update with no conditional, kept where
-  the window is applied (a select that fuses with the update)."""
-  updates, inner_state, noise = _emit(options, call, window, state.inner_opt_state)
-  applied = window.apply & _window_finite(options, window.accumulator, window.value_accumulator)
-  if applied is True:
-    return _Inner(updates, inner_state, noise, True)
-
-  def keep(new, old=0):  # 0: zero updates, a weak scalar taking the updates' dtype
-    return jnp.where(applied, new, old)
-
-  return _Inner(
-      jax.tree.map(keep, updates), jax.tree.map(keep, inner_state, state.inner_opt_state),
-      jax.tree.map(keep, noise, state.last_noise), applied)
-
-
-def _zero_updates(call: _Call) -> Any:
-  """The updates of a call that only adds: zeros that XLA folds (``params + 0`` in
-  the caller's ``optax.apply_updates`` becomes ``params``, and donated parameters
-  pass through untouched), of the updates' tree (``optax.lookahead``'s are of its
-  ``LookaheadParams``); a type that carries an explicit sharding keeps it.""" 
-  like = call.params if isinstance(call.params, optax.LookaheadParams) else call.grads
-  return jax.tree.map(jnp.zeros_like, like)
-
-
-def _device_step(options, call, state, window) -> _Inner:
-  """The inner update under a conditional that every backend keeps, so that it runs
-  on the call that ends a window alone.
-
-  XLA:GPU replaces a two-branch conditional whose branches hold only cheap
-  operations (elementwise, broadcasts, reductions: Adam's whole update) by selects,
-  and then runs both branches on every call; it keeps one whose other branch only
-  passes its operands through (:func:`accum_jax.testing.gpu_conditionals` predicts
-  which). So the branch that holds returns its operands as they are: the inner
-  state, the last window's noise, the flag, and a carrier of the updates
-  (:func:`_carrier`).
-  """
-  update_shapes = jax.eval_shape(
-      lambda s: _emit(options, call, window, s)[0], state.inner_opt_state)
-  carrier, is_sum = _carrier(update_shapes, call, window.accumulator.total)
-  acc = window.accumulator
-  if is_sum:  # the sum comes in once, as the carrier: twice, XLA would copy it
-    acc = acc._replace(total=None)
-
-  def emit(stored, acc, value_window, last_noise, carrier, applied):
-    if is_sum:
-      acc = acc._replace(total=carrier)
-    branch = window._replace(accumulator=acc, value_accumulator=value_window)
-
-    def update(stored, last_noise, carrier):
-      updates, new_state, noise = _emit(options, call, branch, stored)
-      return _cast_like(updates, carrier), new_state, noise
-
-    def refuse(stored, last_noise, carrier):
-      return carrier, stored, last_noise
-
-    finite = _window_finite(options, acc, value_window)
-    if finite is True:
-      return (*update(stored, last_noise, carrier), applied)
-    # A conditional, not a select: a select of the inner state here would have XLA
-    # copy it through the outer conditional on every call.
-    return (*jax.lax.cond(finite, update, refuse, stored, last_noise, carrier), applied & finite)
-
-  def hold(stored, acc, value_window, last_noise, carrier, applied):
-    del acc, value_window
-    return carrier, stored, last_noise, applied
-
-  out, inner_state, noise, applied = jax.lax.cond(
-      window.apply, emit, hold, state.inner_opt_state, acc, window.value_accumulator,
-      state.last_noise, carrier, window.apply)
-  updates = jax.tree.map(lambda u, x: jnp.where(applied, u, jnp.zeros((), u.dtype)).astype(
-      x.dtype), out, update_shapes)
-  # Where the sum carried the updates, the state's next total is what came out: the
-  # sum where the window holds; the updates where it ended (not read: its count
-  # restarts).
-  return _Inner(updates, inner_state, noise, applied, out if is_sum else None)
-
-
-def _carrier(update_shapes: Any, call: _Call, total: Any) -> tuple[Any, bool]:
-  """What carries the updates through the device schedule's conditional, and whether
-  it is the window's sum. A value passed through is free only if nothing reads it
-  after. The window's sum kept as a tree is (the state's next total is what comes
-  out of the conditional), where its dtypes hold the updates exactly: the inner
-  update writes each leaf's update from that leaf's sum, in place. A packed sum is
-  read back through slices, not in place: there the gradient carries them, which is
-  added into the window before the conditional, so that its buffers (a gradient
-  taken in the step, or donated) can take the updates. Else zeros made outside."""
-  same_tree = jax.tree.structure(update_shapes) == jax.tree.structure(call.grads)
-  shapes = jax.tree.leaves(update_shapes)
-  if same_tree and not isinstance(total, _layout.Packed) and all(
-      jnp.promote_types(u.dtype, t.dtype) == t.dtype
-      for u, t in zip(shapes, jax.tree.leaves(total))):
-    return total, True
-  if same_tree and all(u.shape == jnp.shape(g) and u.dtype == jnp.result_type(g)
-                       for u, g in zip(shapes, jax.tree.leaves(call.grads))):
-    return call.grads, False
-  return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), update_shapes), False
-
-
-def _next_state(options, call, state, window, inner: _Inner) -> AccumulationState:
+def _next_state(options, call, state, window, inner: _apply.Inner) -> AccumulationState:
   """The state after this call: the window closed if it ended, counters advanced."""
   acc = window.accumulator
   applied = jnp.asarray(inner.applied)
@@ -495,11 +338,12 @@ def _accumulate(
     call = _bind(options, updates, state, params, weight, flush, apply, extra_args)
     window = _add(options, call, state)
     if call.apply is False:
-      inner = _Inner(_zero_updates(call), state.inner_opt_state, state.last_noise, False)
+      inner = _apply.Inner(_apply.zero_updates(call), state.inner_opt_state, state.last_noise,
+                           False)
     elif call.apply:
-      inner = _host_apply(options, call, state, window)
+      inner = _apply.host_apply(options, call, state, window)
     else:
-      inner = _device_step(options, call, state, window)
+      inner = _apply.device_step(options, call, state, window)
     return inner.updates, _next_state(options, call, state, window, inner)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import sys
 from typing import Any
 
 import jax
@@ -22,7 +23,8 @@ def check_tree_matches(grads: Any, like: Any) -> None:
   that tree, or the :class:`_layout.Layout` of a packed window."""
   structure: Any = jax.tree.structure(grads)
   if isinstance(like, _layout.Layout):  # planned with NNX Variables unwrapped
-    structure = jax.tree.structure(_layout.unwrapped(grads))
+    if "flax.nnx" in sys.modules:
+      structure = jax.tree.structure(_layout.unwrapped(grads))
     expected: Any = like.source
     shapes = list(like.shapes)
   else:

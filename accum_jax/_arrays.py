@@ -1,0 +1,128 @@
+"""Arrays as the accumulation core sees them: accumulator dtypes and placement.
+
+The accumulator dtype of a leaf is the promotion of ``accumulator_dtype`` and the
+leaf's dtype (:func:`accumulator_dtype_for`); one narrower than float32
+(:func:`is_narrow`) holds a running mean instead of a sum (see ``_core``). Zeros
+keep the sharding of what they are made like (:func:`zeros_like`), and a value
+counts as sharded only where its placement or its type says so (:func:`is_sharded`).
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+
+def positive_int(value: Any) -> int | None:
+  """``value`` as an int if it is a Python, NumPy or concrete JAX integer >= 1."""
+  if isinstance(value, bool):
+    return None
+  try:
+    number = operator.index(value)
+  except TypeError:
+    return None
+  return number if number >= 1 else None
+
+
+def canonicalize_accumulator_dtype(accumulator_dtype: Any) -> jnp.dtype | None:
+  """Checks ``accumulator_dtype``: None (the parameters' dtype) or a float."""
+  if accumulator_dtype is None:
+    return None
+  try:
+    dtype = jnp.dtype(accumulator_dtype)
+  except TypeError as e:
+    raise ValueError(
+        f"accumulator_dtype={accumulator_dtype!r} is not a dtype. Pass a floating"
+        " dtype such as jnp.float32, or None to accumulate in the parameters'"
+        " dtype."
+    ) from e
+  if not jnp.issubdtype(dtype, jnp.inexact):
+    raise ValueError(
+        f"accumulator_dtype={dtype} is not a floating dtype: an integer"
+        " accumulator would truncate every gradient. Pass jnp.float32 (the"
+        " default), or None to accumulate in the parameters' dtype."
+    )
+  return dtype
+
+
+def accumulator_dtype_for(leaf_dtype: Any, accumulator_dtype: Any) -> jnp.dtype:
+  """The accumulator dtype of one leaf: the promotion of both (None: the leaf's).
+
+  float32 with bfloat16 gives float32, with complex64 complex64 (a real
+  accumulator would drop the imaginary part), with float64 float64.
+  """
+  leaf_dtype = jnp.dtype(leaf_dtype)
+  if accumulator_dtype is None:
+    return leaf_dtype
+  return jnp.promote_types(accumulator_dtype, leaf_dtype)
+
+
+def is_narrow(dtype: Any) -> bool:
+  """Whether ``dtype`` is a float narrower than float32 (float16, bfloat16, fp8)."""
+  dtype = jnp.dtype(dtype)
+  return jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32
+
+
+def zeros_like(x: Any, dtype: Any = None) -> jax.Array:
+  """Zeros with the shape and sharding of ``x``, in ``dtype`` (default ``x``'s).
+
+  ``x`` may be an array, a tracer or a ``jax.ShapeDtypeStruct``. Under
+  ``jax.jit`` a constant zero has no sharding of its own and comes out
+  replicated; the zeros made here keep ``x``'s:
+
+  - with explicit sharding (the array type carries its sharding), the zeros are
+    made with that sharding;
+  - with automatic sharding, the zeros are an expression of ``x``, whose sharding
+    they inherit by propagation (not ``x * 0``, which is NaN where ``x`` is not
+    finite);
+  - a ``ShapeDtypeStruct`` with a ``NamedSharding`` gives zeros with it.
+
+  Args:
+    x: an array, tracer or ``jax.ShapeDtypeStruct``.
+    dtype: the dtype of the zeros; None keeps ``x``'s.
+
+  Returns:
+    An array of zeros shaped like ``x``.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> from accum_jax import _core
+    >>> _core.zeros_like(jnp.ones((2, 3)), jnp.bfloat16).dtype
+    dtype(bfloat16)
+  """
+  # JAX's own dtype: a numpy float64 leaf gives float32 zeros (unless x64 is on),
+  # as it would once traced, without a warning that float64 was asked for.
+  dtype = jax.dtypes.canonicalize_dtype(x.dtype if dtype is None else dtype)
+  if isinstance(x, jax.ShapeDtypeStruct):
+    sharding = x.sharding if isinstance(x.sharding, jax.sharding.NamedSharding) else None
+    return jnp.zeros(x.shape, dtype, out_sharding=sharding)
+  if isinstance(x, jax.core.Tracer):
+    if explicitly_sharded(x):
+      # The type carries the sharding, and zeros_like keeps the type's.
+      return jnp.zeros_like(x, dtype)
+    return jnp.zeros_like(x, dtype) * jnp.isnan(x).astype(dtype)
+  return jnp.zeros_like(x, dtype=dtype)
+
+
+def explicitly_sharded(x: Any) -> bool:
+  """Whether the type of ``x`` (an array or a tracer) carries an explicit sharding
+  over a mesh axis; under automatic sharding a tracer's type says nothing."""
+  spec = getattr(jax.typeof(x).sharding, "spec", ())
+  return any(axis is not None for axis in spec)
+
+
+def is_sharded(x: Any) -> bool:
+  """Whether ``x`` is known to be split over devices: an array placed so, or a
+  traced value whose type carries an explicit sharding over a mesh axis (under
+  automatic sharding a tracer says nothing, and counts as not sharded)."""
+  if isinstance(x, jax.core.Tracer):
+    return explicitly_sharded(x)
+  sharding = getattr(x, "sharding", None)
+  return isinstance(x, jax.Array) and sharding is not None and not sharding.is_fully_replicated
+
+
+def _wide(dtype: Any) -> jnp.dtype:
+  return jnp.promote_types(dtype, jnp.float32)
