@@ -454,3 +454,27 @@ def test_sharded_parameters_keep_a_tree_placed_like_them_and_packed_is_refused()
   # Replicated parameters may be packed, when asked.
   replicated = jax.device_put(params, jax.sharding.NamedSharding(mesh, spec()))
   assert len(jax.tree.leaves(packed.init(replicated).inner_opt_state)) == 2
+
+
+def test_a_state_restored_under_another_every_k_loses_no_call():
+  # Three calls into a window of 4, restored into the state of an accumulate with
+  # every_k=2 (what a restore into the new transformation's init gives): the open
+  # window, already past the new length, ends at its next call, with all four calls.
+  old, new = (accum_jax.accumulate(optax.sgd(1.0), every_k=k) for k in (4, 2))
+  params = {"w": jnp.zeros(())}
+  state = old.init(params)
+  step = jax.jit(old.update, static_argnames="apply")
+  for call in range(3):
+    _, state = step({"w": jnp.asarray(float(call))}, state, params, apply=False)
+  restored = new.init(params)._replace(**{
+      name: getattr(state, name) for name in ("window_total", "inner_opt_state", "counts", "sums")})
+  schedule = accum_jax.HostSchedule(restored)
+  flag = schedule.next()
+  assert flag
+  updates, restored = jax.jit(new.update, static_argnames="apply")(
+      {"w": jnp.asarray(3.0)}, restored, params, apply=flag)
+  np.testing.assert_allclose(updates["w"], -1.5)  # the mean of 0, 1, 2 and 3
+  assert int(restored.num_skipped) == 0 and int(restored.optimizer_step) == 1
+  # The old transformation's update refuses the new state: one state, one length.
+  with pytest.raises(ValueError, match="one state, one window length"):
+    step({"w": jnp.asarray(0.0)}, restored, params, apply=False)
