@@ -9,8 +9,8 @@ parameter's largest axis is split over the devices, and so is each batch.
      from the same start, it trains 6 calls (1 window and 2 of the next 4 calls)
      and saves the ``TrainState`` with Orbax.
   2. A fresh process with 4 devices builds the restore target for its own mesh with
-     ``accum_jax.checkpoint.abstract_tree`` (each parameter, its Adam moments and its slot of
-     the accumulator sharded like the parameter; counters replicated), restores,
+     ``accum_jax.checkpoint.abstract_tree`` (each parameter, its Adam moments and its leaf of
+     the window's total sharded like the parameter; counters replicated), restores,
      makes its ``accum_jax.HostSchedule`` from the restored state (which reads where
      the window stopped), and trains the last 6 calls.
 
@@ -71,8 +71,11 @@ class MLP(nn.Module):
 
 
 # Built once: a TrainState's apply_fn and tx are static, and new ones would recompile.
+# layout="tree" (the default on several devices, named here): a buffer per leaf, placed
+# like its parameter. A checkpoint restores only into a target of the layout it was
+# saved in, so a run that may resume on another number of devices names its layout.
 MODEL = MLP()
-TX = accum_jax.accumulate(optax.adam(1e-2), every_k=EVERY_K)
+TX = accum_jax.accumulate(optax.adam(1e-2), every_k=EVERY_K, layout="tree")
 
 
 def make_mesh(num_devices: int) -> jax.sharding.Mesh:
@@ -128,8 +131,8 @@ def save_phase(directory: Path) -> None:
   target = abstract_params(mesh)
   variables = MODEL.init(jax.random.key(0), jnp.zeros((1, 8)))
   params = jax.device_put(variables["params"], jax.tree.map(lambda t: t.sharding, target))
-  # The same helper gives the initial state its layout: Adam's moments and the
-  # accumulator sharded like the parameters, counters replicated.
+  # The same helper gives the initial state its shardings: Adam's moments and the
+  # window's total sharded like the parameters, counters replicated.
   layout = accum_jax.checkpoint.abstract_tree(jax.eval_shape(create_state, params), params)
   init = jax.jit(create_state, out_shardings=jax.tree.map(lambda t: t.sharding, layout))
 
@@ -163,7 +166,7 @@ def resume_phase(directory: Path) -> None:
   print(f"restored on {len(jax.devices())} devices: call {int(state.step)}, window"
         f" {int(state.opt_state.mini_step)} of {EVERY_K}")
   print(f"Dense_0 kernel {kernel.shape}: parameter {kernel.sharding.spec}, Adam's mu"
-        f" {adam.mu['Dense_0']['kernel'].sharding.spec}, accumulator"
+        f" {adam.mu['Dense_0']['kernel'].sharding.spec}, acc_grads"
         f" {state.opt_state.acc_grads['Dense_0']['kernel'].sharding.spec}")
   per_parameter = (state.params, adam.mu, adam.nu, state.opt_state.acc_grads)
   print("every per-parameter leaf sharded like its parameter:",
