@@ -1029,3 +1029,25 @@ def test_call_errors_at_trace_time():
 
   with pytest.raises(ValueError, match=re.escape("weight must be a scalar")):
     jax.eval_shape(lambda g, s, w: opt.update(g, s, params, weight=w), g, state, jnp.ones(2))
+
+
+def test_a_transformation_after_accumulate_in_a_chain_is_refused_by_the_readers():
+  # After accumulate, weight decay would act on every call: 0.1 * params on each
+  # call that only adds. The readers and HostSchedule refuse it with the fix.
+  params = make_params()
+  after = optax.chain(accum_jax.accumulate(optax.sgd(0.1), 2), optax.add_decayed_weights(0.1))
+  state = after.init(params)
+  updates, state = after.update(microbatch_grads(params, 1)[0], state, params, apply=False)
+  assert any(np.abs(np.asarray(u)).max() > 0 for u in jax.tree.leaves(updates))  # the trap
+  for read in (accum_jax.HostSchedule, accum_jax.has_updated, accum_jax.optimizer_step):
+    with pytest.raises(ValueError, match=re.escape("accumulate(optax.chain(inner, ...), every_k)")):
+      read(state)
+  # Inside, it acts once per window; before accumulate (clipping each call's
+  # gradient) the readers take the state.
+  inside = accum_jax.accumulate(optax.chain(optax.sgd(0.1), optax.add_decayed_weights(0.1)), 2)
+  before = optax.chain(optax.clip_by_global_norm(1.0), accum_jax.accumulate(optax.sgd(0.1), 2))
+  for opt in (inside, before):
+    state = opt.init(params)
+    updates, state = opt.update(microbatch_grads(params, 1)[0], state, params, apply=False)
+    _assert_zeros(updates)
+    assert accum_jax.HostSchedule(state).window_length == 2
