@@ -312,7 +312,7 @@ def add_gaussian_noise(
     >>> state = opt.init({"w": jnp.zeros(3)})
     >>> for _ in range(8):
     ...   _, state = opt.update({"w": jnp.ones(3)}, state)
-    >>> int(state.inner_opt_state[0].num_draws)  # two windows, two draws
+    >>> int(optax.tree.get(state, "num_draws"))  # two windows, two draws
     2
   """
   sigma = _number(stddev, "stddev", positive=False,

@@ -140,12 +140,12 @@ def abstract_tree(tree: Any, params: Any) -> Any:
     >>> mesh = jax.make_mesh((len(jax.devices()),), ("data",))
     >>> params = {"w": jax.ShapeDtypeStruct((8, 2), jnp.float32,
     ...                                     sharding=NamedSharding(mesh, P("data")))}
-    >>> tx = accum_jax.accumulate(optax.adam(1e-3), every_k=4)
+    >>> tx = accum_jax.accumulate(optax.adam(1e-3), every_k=4, layout="tree")
     >>> def create_state():  # a training state: parameters, optimizer state, counter
     ...   p = {"w": jnp.zeros((8, 2))}
     ...   return {"params": p, "opt_state": tx.init(p), "step": jnp.zeros((), jnp.int32)}
     >>> target = accum_jax.checkpoint.abstract_tree(jax.eval_shape(create_state), params)
-    >>> target["params"]["w"].sharding.spec, target["opt_state"].acc_grads["w"].sharding.spec
+    >>> target["params"]["w"].sharding.spec, target["opt_state"].window_total["w"].sharding.spec
     (P('data',), P('data',))
     >>> target["step"].sharding.spec
     P()
@@ -201,7 +201,7 @@ def abstract_state(opt: _HasInit, params: Any) -> Any:
     >>> mesh = jax.make_mesh((len(jax.devices()),), ("data",))
     >>> params = {"w": jax.ShapeDtypeStruct((8, 2), jnp.float32,
     ...                                     sharding=NamedSharding(mesh, P("data")))}
-    >>> opt = accum_jax.accumulate(optax.adam(1e-3), every_k=4)
+    >>> opt = accum_jax.accumulate(optax.adam(1e-3), every_k=4, layout="tree")
     >>> target = accum_jax.checkpoint.abstract_state(opt, params)
     >>> target.inner_opt_state[0].mu["w"].sharding.spec
     P('data',)

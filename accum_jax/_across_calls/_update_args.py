@@ -96,8 +96,8 @@ def check_weight(weight: Any) -> None:
   if not isinstance(weight, jax.core.Tracer) and not 0 <= float(weight) < math.inf:
     raise ValueError(
         f"weight={float(weight)} must be a finite number >= 0 (e.g. a count of"
-        " valid tokens). Under jit such a weight is skipped and counted in"
-        " state.num_skipped instead."
+        " valid tokens). Under jit such a weight is left out and counted in"
+        " state.num_bad_weights instead."
     )
 
 
