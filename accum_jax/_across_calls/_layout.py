@@ -45,11 +45,9 @@ SMALL_LEAF = 1 << 16  # bytes
 SMALL_BUCKET = 1 << 20  # bytes
 
 
-@jax.tree_util.register_static
 @dataclasses.dataclass(frozen=True)
 class Slot:
-  """Where one leaf lies: in bucket ``bucket`` from ``offset``. A pytree node with
-  no leaves, standing in a :class:`Packed`'s skeleton for the leaf it places."""
+  """Where one leaf lies: in bucket ``bucket`` from ``offset``."""
 
   bucket: int
   offset: int
@@ -57,34 +55,50 @@ class Slot:
   dtype: Any
 
 
-def _is_slot(x: Any) -> bool:
-  return isinstance(x, Slot)
-
-
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class Layout:
-  """The buckets of a tree: its structure with a :class:`Slot` for each bucketed
-  leaf (``skeleton``'s structure, static), per leaf its slot or None (kept as it
-  is), and the elements per bucket."""
+  """The buckets of a tree: per leaf its :class:`Slot` (None: the leaf is kept as it
+  is), the elements per bucket, and the tree's structure.
 
-  treedef: Any  # of the tree with each bucketed leaf a Slot (is_leaf=_is_slot)
+  Static data of every state that holds it, compared and hashed on every jitted call:
+  its hash is computed once, and a layout equals itself at once.
+  """
+
+  treedef: Any  # the tree's structure (NNX Variables unwrapped)
   slots: tuple[Slot | None, ...]  # per leaf of the tree
   sizes: tuple[int, ...]  # elements per bucket
   shapes: tuple[tuple[int, ...], ...]  # per leaf of the tree
   keys: tuple[Any, ...]  # per leaf of the Packed (its buckets', then its kept leaves'): plan's
-  source: Any  # the structure of the tree planned (NNX Variables unwrapped)
   wrapped: Any  # treedef's, with the tree's NNX Variables (as plain jax.jit over them sees it)
+
+  def __post_init__(self):
+    object.__setattr__(self, "_hash", hash(self._fields()))
+
+  def _fields(self) -> tuple[Any, ...]:
+    return (self.treedef, self.slots, self.sizes, self.shapes, self.keys, self.wrapped)
+
+  def __hash__(self) -> int:
+    return self._hash  # type: ignore[attr-defined]
+
+  def __eq__(self, other: Any) -> bool:
+    return self is other or (isinstance(other, Layout) and hash(self) == hash(other)
+                             and self._fields() == other._fields())
+
+  @property
+  def source(self) -> Any:
+    """The structure of the tree planned (NNX Variables unwrapped)."""
+    return self.treedef
 
   def pack(self, tree: Any) -> Packed:
     """``tree`` (of this layout's leaves, in any container) as a :class:`Packed`."""
     parts: dict[int, list[Any]] = {}
-    skeleton = []  # each leaf kept, or its slot
+    skeleton = []  # each leaf kept, or None
     for leaf, slot in zip(jax.tree.leaves(tree), self.slots):
       if slot is None:
         skeleton.append(leaf)
       else:
         parts.setdefault(slot.bucket, []).append(jnp.ravel(leaf))
-        skeleton.append(slot)
+        skeleton.append(None)
     vectors = []
     for bucket in range(len(self.sizes)):
       vectors.append(jnp.concatenate(parts[bucket]) if len(parts[bucket]) > 1 else parts[bucket][0])
@@ -99,10 +113,10 @@ class Packed:
 
   Attributes:
     vectors: the buckets, one 1-D array each.
-    skeleton: the tree itself, each bucketed leaf replaced by its :class:`Slot` (a
-      node with no leaf): its containers, and the leaves kept as they are
-      (scalars, weakly typed leaves), stay where they were, so that
-      ``optax.tree.get`` finds an inner optimizer's ``count`` or hyperparameters.
+    skeleton: the tree itself, each bucketed leaf replaced by None: its
+      containers, and the leaves kept as they are (scalars, weakly typed leaves),
+      stay where they were, so that ``optax.tree.get`` finds an inner optimizer's
+      ``count`` or hyperparameters.
     layout: the :class:`Layout` (static).
   """
 
@@ -113,7 +127,7 @@ class Packed:
   def unpack(self, treedef: Any = None, wrapped: bool = False) -> Any:
     """The tree (of ``treedef``, default the skeleton's: with the NNX Variables the
     planned tree had if ``wrapped``), each bucketed leaf a slice of its bucket."""
-    kept = iter(jax.tree.leaves(self.skeleton))  # a Slot is a node with no leaf
+    kept = iter(jax.tree.leaves(self.skeleton))  # None is no leaf
     leaves = []
     for slot in self.layout.slots:
       leaves.append(next(kept) if slot is None else _leaf(self.vectors[slot.bucket], slot))
@@ -163,13 +177,9 @@ def plan(tree: Any, keys: Any = None) -> Layout:
     slots.append(Slot(bucket, sizes[bucket], shape, dtype))
     sizes[bucket] += size
     open_bucket[dtype, key, small] = (bucket, count + 1)
-  kept = [leaf if slot is None else slot for leaf, slot in zip(leaves, slots)]
-  skeleton_def = jax.tree.structure(jax.tree.unflatten(treedef, kept), is_leaf=_is_slot)
   shapes = tuple(tuple(jnp.shape(x)) for x in leaves)
-  wrapped = wrapped_def if wrapped_def == treedef else jax.tree.structure(
-      jax.tree.unflatten(wrapped_def, kept), is_leaf=_is_slot)
-  return Layout(skeleton_def, tuple(slots), tuple(sizes), shapes,
-                tuple(packed_keys(slots, len(sizes), keys)), treedef, wrapped)
+  return Layout(treedef, tuple(slots), tuple(sizes), shapes,
+                tuple(packed_keys(slots, len(sizes), keys)), wrapped_def)
 
 
 def packed_keys(slots: list[Slot | None], buckets: int, keys: list[Any]) -> list[Any]:
@@ -188,7 +198,7 @@ def packed_keys(slots: list[Slot | None], buckets: int, keys: list[Any]) -> list
 def packed_with(layout: Layout, vectors: Any, kept: Any) -> Packed:
   """A :class:`Packed` of ``layout`` from its buckets and its kept leaves, in order."""
   kept = iter(kept)
-  skeleton = [next(kept) if slot is None else slot for slot in layout.slots]
+  skeleton = [next(kept) if slot is None else None for slot in layout.slots]
   return Packed(tuple(vectors), jax.tree.unflatten(layout.treedef, skeleton), layout)
 
 

@@ -42,12 +42,21 @@ SUM = {name: i for i, name in enumerate(SUMS)}
 
 
 @jax.tree_util.register_static
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class Reductions:
   """How each gradient leaf combines ("mean", "sum", "max", "last"), kept in the
-  state as static data (a pytree node with no leaves)."""
+  state as static data (a pytree node with no leaves), hashed once."""
 
   kinds: tuple[str, ...]
+
+  def __post_init__(self):
+    object.__setattr__(self, "_hash", hash(self.kinds))
+
+  def __hash__(self) -> int:
+    return self._hash  # type: ignore[attr-defined]
+
+  def __eq__(self, other: Any) -> bool:
+    return self is other or (isinstance(other, Reductions) and self.kinds == other.kinds)
 
 
 class AccumulationState(NamedTuple):
