@@ -688,3 +688,15 @@ def test_accumulate_over_an_nnx_state_of_params_under_plain_jax_jit():
     assert int(accum_jax.optimizer_step(state)) == 2
     results.append(p)
   tree_allclose(*results)
+
+
+def test_nnx_optimizer_update_refuses_a_misspelt_apply():
+  # nnx.Optimizer.update hands its keywords to accumulate's update: a misspelt
+  # apply= would otherwise reach the inner optimizer, which ignores it.
+  nnx = pytest.importorskip("flax.nnx")
+  model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+  optimizer = nnx.Optimizer(model, accum_jax.accumulate(optax.sgd(0.1), 2), wrt=nnx.Param)
+  grads = nnx.grad(lambda m: jnp.sum(m(jnp.ones((1, 2)))))(model)
+  for wrong, meant in (("aplly", "apply"), ("flsh", "flush"), ("weigth", "weight")):
+    with pytest.raises(ValueError, match=re.escape(f"did you mean {meant}=?")):
+      optimizer.update(model, grads, **{wrong: True})
