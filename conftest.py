@@ -1,7 +1,23 @@
 import os
+import re
 
 # Eight CPU devices for the sharding tests; must be set before jax is imported.
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def pytest_collection_modifyitems(config, items):
+  """Leaves the ``scripts`` tests out unless a ``-m`` expression names the marker.
+
+  They run an example's or a benchmark's script in a fresh interpreter, as a user runs
+  it, and take most of a full run's time while checking the scripts rather than the
+  library; CI runs them in a step of their own (``python -m pytest -n 2 -m scripts``).
+  """
+  if re.search(r"\bscripts\b", config.getoption("markexpr") or ""):
+    return
+  scripts = [item for item in items if item.get_closest_marker("scripts")]
+  if scripts:
+    config.hook.pytest_deselected(items=scripts)
+    items[:] = [item for item in items if not item.get_closest_marker("scripts")]

@@ -40,6 +40,7 @@ def _bench(*names: str):
   return modules if len(modules) > 1 else modules[0]
 
 
+@pytest.mark.scripts
 def test_the_tiny_run_writes_its_rows_and_matches_the_scan() -> None:
   name = f"gpu_test_{os.getpid()}"
   path = BENCH / "results" / f"{name}.json"
