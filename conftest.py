@@ -12,8 +12,8 @@ def pytest_collection_modifyitems(config, items):
   """Leaves the ``scripts`` tests out unless a ``-m`` expression names the marker.
 
   They run an example's or a benchmark's script in a fresh interpreter, as a user runs
-  it, and take most of a full run's time while checking the scripts rather than the
-  library; CI runs them in a step of their own (``python -m pytest -n 2 -m scripts``).
+  it: they check the scripts rather than the library, and took most of a full run's
+  time. CI runs them in a step of its own (``python -m pytest -n 2 -m scripts``).
   """
   if re.search(r"\bscripts\b", config.getoption("markexpr") or ""):
     return
