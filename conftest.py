@@ -1,11 +1,26 @@
 import os
 import re
 
+import pytest
+
 # Eight CPU devices for the sharding tests; must be set before jax is imported.
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist picks its default, --dist load
+def pytest_cmdline_main(config):
+  """Under ``-n`` without ``--dist``, distributes the tests by ``worksteal``.
+
+  Each worker starts on one half of the tests, in order, and takes from the other's
+  queue when its own is done: a module's tests run on one worker, which builds the
+  compiled functions they share (module-scoped fixtures, cached builders) once;
+  ``--dist load`` hands both workers tests of the same modules, and each builds them.
+  """
+  if getattr(config.option, "numprocesses", None) and config.option.dist == "no":
+    config.option.dist = "worksteal"
 
 
 def pytest_collection_modifyitems(config, items):
