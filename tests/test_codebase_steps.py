@@ -99,7 +99,8 @@ def _maxtext_step(**options):
 def test_a_maxtext_step_matches_its_own_scan_and_the_full_batch():
   params, batch, key = _params(jnp.bfloat16), _tokens(), jax.random.key(0)
   (loss, aux), grads = _maxtext_step()(params, batch, key)
-  value, total_loss, total_weights, rows, expected_grads = maxtext_scan(params, batch, key)
+  value, total_loss, total_weights, rows, expected_grads = jax.jit(maxtext_scan)(
+      params, batch, key)
   tree_allclose((loss, aux["total_loss"], aux["total_weights"], aux["xent_per_row"], grads),
                 (value, total_loss, total_weights, rows, expected_grads), **BF16)
   for name in ("moe_lb_loss", "moe_bias_updates", "mtp_loss", "z_loss", "indexer_loss"):
@@ -111,8 +112,8 @@ def test_a_maxtext_step_matches_its_own_scan_and_the_full_batch():
       lambda p, b: maxtext_loss(p, b, None, rate=0.0), N, has_aux=True,
       aux_reduction=MAXTEXT_REDUCTIONS, weight_fn=lambda batch: batch["weights"].sum()),
   )(params, batch)
-  (full_loss, full_aux), full_grads = jax.value_and_grad(
-      lambda p, b: maxtext_loss(p, b, None, rate=0.0), has_aux=True)(params, batch)
+  (full_loss, full_aux), full_grads = jax.jit(jax.value_and_grad(
+      lambda p, b: maxtext_loss(p, b, None, rate=0.0), has_aux=True))(params, batch)
   tree_allclose((loss, aux["total_loss"], aux["max_token_loss"], grads),
                 (full_loss, full_aux["total_loss"], full_aux["max_token_loss"], full_grads),
                 **BF16)

@@ -15,6 +15,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+# Runs the script in a fresh interpreter: out of the default run, in CI's own step.
+pytestmark = pytest.mark.scripts
+
 SCRIPT = Path(__file__).resolve().parent.parent / "examples" / "critical_batch.py"
 
 

@@ -85,6 +85,7 @@ def _number_after(label: str, stdout: str) -> float:
   return float(match.group(1))
 
 
+@pytest.mark.scripts
 def test_the_elastic_resume_example_finishes_on_4_devices_as_if_never_stopped():
   result = subprocess.run(
       [sys.executable, str(EXAMPLE)],

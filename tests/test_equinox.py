@@ -450,6 +450,7 @@ EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "equinox_mlp.py"
 EXAMPLE_TOLERANCE = 1e-4
 
 
+@pytest.mark.scripts
 def test_equinox_example_matches_the_full_batch(tmp_path):
   out = subprocess.run(
       [sys.executable, str(EXAMPLE), "--quick", "--out", str(tmp_path)],
@@ -467,6 +468,7 @@ def test_equinox_example_matches_the_full_batch(tmp_path):
   assert (tmp_path / "equinox_mlp.png").stat().st_size > 0
 
 
+@pytest.mark.scripts
 def test_equinox_cnn_example_matches_sequential_calls_and_learns():
   script = EXAMPLE.parent / "equinox_cnn.py"
   out = subprocess.run(

@@ -16,6 +16,9 @@ from typing import NamedTuple
 
 import pytest
 
+# Each runs its script in a fresh interpreter: out of the default run, in CI's own step.
+pytestmark = pytest.mark.scripts
+
 EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples"
 # The quickstart's two runs agree to float32 round-off (~1e-7); this leaves room for
 # other platforms' kernels without letting a real accumulation error through.

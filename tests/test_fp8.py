@@ -67,16 +67,6 @@ def full_step(variables, grads):
   return {"params": variables["params"], OVERWRITE_WITH_GRADIENT: grads[OVERWRITE_WITH_GRADIENT]}
 
 
-@functools.cache
-def variables_with_history():
-  """Variables whose amax histories hold two earlier full-batch steps, so that the
-  roll and the scales computed from the history are exercised."""
-  variables = MODEL.init(jax.random.key(0), jnp.ones((1, 8)))
-  for seed in (1, 2):
-    variables = full_step(variables, jax.grad(plain_loss)(variables, make_batch(seed)))
-  return variables
-
-
 # One compiled function per loss, shared by the tests.
 GRADS = {
     "plain": (jax.jit(jax.grad(plain_loss)),
@@ -84,6 +74,18 @@ GRADS = {
     "token-weighted": (jax.jit(jax.grad(token_loss)),
                        jax.jit(accum_jax.grad(token_loss, NUM_MICROBATCHES, weight_fn=tokens))),
 }
+
+
+@functools.cache
+def variables_with_history():
+  """Variables whose amax histories hold two earlier full-batch steps, so that the
+  roll and the scales computed from the history are exercised."""
+  # Compiled (the steps with the plain loss's full-batch gradient, which its test
+  # compiles too): run op by op, the FP8 model's ops compile one by one.
+  variables = jax.jit(MODEL.init)(jax.random.key(0), jnp.ones((1, 8)))
+  for seed in (1, 2):
+    variables = full_step(variables, GRADS["plain"][0](variables, make_batch(seed)))
+  return variables
 
 
 def _fp8_leaves(tree):

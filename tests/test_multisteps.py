@@ -51,26 +51,6 @@ def _bools(x):
   return [bool(b) for b in np.asarray(x)]
 
 
-@pytest.mark.parametrize("use_grad_mean", [True, False], ids=["grad mean", "grad sum"])
-@pytest.mark.parametrize("every_k_name", list(_EVERY_K))
-def test_matches_optax_multisteps_on_finite_gradients(every_k_name, use_grad_mean):
-  ours, theirs = _pair(every_k_name, use_grad_mean)
-  params = make_params()
-  grads = stack_trees(microbatch_grads(params, 8))
-  our_params, our_updates, our_states = scan_updates(ours, params, grads)
-  their_params, their_updates, their_states = scan_updates(
-      theirs.gradient_transformation(), params, grads
-  )
-  tree_allclose(our_updates, their_updates)
-  tree_allclose(our_params, their_params)
-  tree_allclose(our_states.inner_opt_state, their_states.inner_opt_state)
-  assert _ints(our_states.mini_step) == _ints(their_states.mini_step)
-  assert _ints(our_states.gradient_step) == _ints(their_states.gradient_step)
-  assert _bools(ours.has_updated(our_states)) == _bools(theirs.has_updated(their_states))
-  tree_allclose(our_states.acc_grads, their_states.acc_grads)
-
-
-
 _INNERS = {"adam": optax.adam(0.1), "sgd with momentum": _INNER}
 
 
@@ -78,12 +58,13 @@ _INNERS = {"adam": optax.adam(0.1), "sgd with momentum": _INNER}
 @pytest.mark.parametrize("use_grad_mean", [True, False], ids=["grad mean", "grad sum"])
 @pytest.mark.parametrize("every_k_name", list(_EVERY_K))
 @pytest.mark.parametrize("inner_name", list(_INNERS))
-def test_state_reads_as_optax_multisteps_state_after_every_call(
+def test_matches_optax_multisteps_and_its_state_reads_the_same_after_every_call(
     inner_name, every_k_name, use_grad_mean, skip
 ):
-  # The fields optax.MultiStepsState has, read after each call side by side:
-  # acc_grads the running mean (or sum) and zeros after an update, the
-  # counters, the inner state, what the skip function reported.
+  # The updates and parameters, and the fields optax.MultiStepsState has, read
+  # after each call side by side: acc_grads the running mean (or sum) and zeros
+  # after an update, the counters, the inner state, what the skip function
+  # reported, and has_updated. Without a skip function every gradient is finite.
   args = (
       _INNERS[inner_name], _EVERY_K[every_k_name], use_grad_mean,
       optax.skip_not_finite if skip else None,
@@ -102,6 +83,7 @@ def test_state_reads_as_optax_multisteps_state_after_every_call(
   )
   assert _ints(our_states.mini_step) == _ints(their_states.mini_step)
   assert _ints(our_states.gradient_step) == _ints(their_states.gradient_step)
+  assert _bools(ours.has_updated(our_states)) == _bools(theirs.has_updated(their_states))
   assert shapes_and_dtypes(our_states.acc_grads) == shapes_and_dtypes(their_states.acc_grads)
   tree_allclose(our_states.acc_grads, their_states.acc_grads)
   tree_allclose(our_states.inner_opt_state, their_states.inner_opt_state)

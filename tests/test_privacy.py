@@ -63,8 +63,11 @@ def take(data: dict[str, np.ndarray], indices: np.ndarray) -> dict[str, np.ndarr
 
 
 # --- the reference, without accum_jax ---------------------------------------------------
+# Compiled: op by op, each logical batch's size would compile every op of the
+# per-example gradients again.
 
 
+@jax.jit
 def reference_clipped_sum(params, examples):
   grads = jax.vmap(jax.grad(per_example_loss), in_axes=(None, 0))(params, examples)
   squares = [jnp.sum(jnp.reshape(g, (g.shape[0], -1)) ** 2, axis=1) for g in jax.tree.leaves(grads)]
@@ -72,6 +75,7 @@ def reference_clipped_sum(params, examples):
   return jax.tree.map(lambda g: jnp.tensordot(factors, g, axes=1), grads)
 
 
+@jax.jit
 def reference_noise(like, draw: int):
   leaves, treedef = jax.tree.flatten(like)
   keys = jax.random.split(jax.random.fold_in(KEY, draw), len(leaves))
@@ -83,6 +87,7 @@ def reference_noise(like, draw: int):
 def reference_training(params, inner, logical_batches: Sequence[dict], expected_batch_size):
   """The parameters after each logical batch: one call on the whole batch, one draw."""
   state = inner.init(params)
+  update = jax.jit(inner.update)
   history = []
   for draw, examples in enumerate(logical_batches):
     if len(examples["y"]):
@@ -91,7 +96,7 @@ def reference_training(params, inner, logical_batches: Sequence[dict], expected_
       total = jax.tree.map(jnp.zeros_like, params)
     noise = reference_noise(total, draw)
     noisy = jax.tree.map(lambda s, n: (s + n) / expected_batch_size, total, noise)
-    updates, state = inner.update(noisy, state, params)
+    updates, state = update(noisy, state, params)
     params = optax.apply_updates(params, updates)
     history.append(params)
   return history
@@ -289,7 +294,7 @@ def test_clipped_grad_sum_clips_each_example_and_sums():
   out = privacy.clipped_grad_sum(per_example_loss, L2_CLIP)(params, examples)
   tree_allclose(out.grads, reference_clipped_sum(params, examples))
   assert int(out.num_examples) == 12
-  grads = jax.vmap(jax.grad(per_example_loss), in_axes=(None, 0))(params, examples)
+  grads = jax.jit(jax.vmap(jax.grad(per_example_loss), in_axes=(None, 0)))(params, examples)
   norms = jnp.sqrt(sum(jnp.sum(jnp.reshape(g, (12, -1)) ** 2, 1) for g in jax.tree.leaves(grads)))
   assert bool(jnp.any(norms > L2_CLIP)) and bool(jnp.any(norms < L2_CLIP))  # both cases occur
 
@@ -357,7 +362,8 @@ def test_clipped_grad_sum_returns_per_example_aux():
       privacy.clipped_grad_sum(per_example_loss, L2_CLIP)(params, examples),
   )
   tree_allclose(out, plain)
-  tree_allclose(aux["loss"], jax.vmap(per_example_loss, in_axes=(None, 0))(params, examples))
+  tree_allclose(aux["loss"],
+                jax.jit(jax.vmap(per_example_loss, in_axes=(None, 0)))(params, examples))
 
 
 def test_poisson_batches_sample_each_example_independently_and_pad():
