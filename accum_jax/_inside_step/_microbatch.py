@@ -35,6 +35,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from accum_jax import _arguments, _core, _noise
 from accum_jax._inside_step import _batching, _call, _options, _result, _sharding, _trace
@@ -46,22 +47,13 @@ class _Device(NamedTuple):
   """What every microbatch of one device's loop needs."""
 
   call: _call.Call  # bound and traced
+  options: _options.Options  # the call's
+  shapes: _trace.Shapes  # the call's
+  plan: _sharding.Plan | None  # the call's
   args: tuple[Any, ...]  # as this device holds them
   shard_index: jax.Array | None
   batch_weight: Any  # the whole batch's weight (every device's), float32, > 0
   gathered: Any  # the parameters gathered before the loop (gather="once"), or None
-
-  @property
-  def options(self) -> _options.Options:
-    return self.call.options
-
-  @property
-  def shapes(self) -> _trace.Shapes:
-    return self.call.shapes
-
-  @property
-  def plan(self) -> _sharding.Plan | None:
-    return self.call.plan
 
 
 class _Carry(NamedTuple):
@@ -120,18 +112,18 @@ def microbatches(
   split = functools.partial(
       _batching.split, num_microbatches=options.num_microbatches, how=options.split
   )
-  batch = {n: jax.tree.map(split, args[n]) for n in call.batch_argnums}
-  return batch, _weights(options, call, batch)
+  batch = {}
+  for n in call.batch_argnums:
+    batch[n] = jax.tree.map(split, args[n])
+  return batch, None if options.weight_fn is None else _weights(options, call, batch)
 
 
 def _weights(options, call, batch) -> jax.Array | None:
-  """This device's microbatch weights, shape (N,); None without ``weight_fn``.
+  """This device's microbatch weights, shape (N,), by ``weight_fn``.
 
   Computed before the loop from the batch alone, so that every microbatch's
   share of the whole batch is known when its loss is differentiated.
   """
-  if options.weight_fn is None:
-    return None
   weights = jax.vmap(options.weight_fn)(*(batch[n] for n in call.batch_argnums))
   if jnp.ndim(weights) != 1:
     raise ValueError(
@@ -161,17 +153,24 @@ def _local_sums(call: _call.Call, args, shard_index) -> _sharding.LocalSums:
   """
   options, plan, shapes = call.options, call.plan, call.shapes
   batch, weights = microbatches(options, call, args)
-  params = call.params(args)
-  gathered = _sharding.gather(plan, params) if plan and plan.gather == "once" else None
-  dev = _Device(call, args, shard_index, _batch_weight(weights, options, plan), gathered)
+  params = call.diff if shard_index is None else call.params(args)
+  gathered = None
+  if plan is not None and plan.gather == "once":
+    gathered = _sharding.gather(plan, params)
+  batch_weight = jnp.float32(options.num_microbatches)  # every microbatch weighs 1
+  if weights is not None or plan is not None:
+    batch_weight = _batch_weight(weights, options, plan)
+  dev = _Device(call, options, shapes, plan, args, shard_index, batch_weight, gathered)
   start = _initial_carry(dev, params if gathered is None else gathered)
   n = options.num_microbatches
   xs = _Inputs(jnp.arange(n), batch, weights, known_bad=jnp.zeros((n,), bool))
   end, stacked, loss_finite = _passes(dev, start, xs)
-  per_example = [
-      _batching.unsplit(x, options.split) if r == "concat" else x
-      for x, r in zip(stacked, shapes.reductions)
-  ]
+  per_example = stacked
+  if "concat" in shapes.reductions:
+    per_example = [
+        _batching.unsplit(x, options.split) if r == "concat" else x
+        for x, r in zip(stacked, shapes.reductions)
+    ]
   return _sharding.LocalSums(end.acc, end.aux_sums, end.state, per_example, end.noise,
                              dev.batch_weight, loss_finite)
 
@@ -186,10 +185,12 @@ def _initial_carry(dev: _Device, params: Any) -> _Carry:
   options, shapes = dev.options, dev.shapes
   value = jnp.zeros((), jnp.promote_types(shapes.value.dtype, jnp.float32))
   acc = _core.init((value, params), options.accumulator_dtype, shapes.kinds)
-  aux_sums = [
-      jnp.zeros(x.shape, _aux_sum_dtype(x.dtype, r)) if r not in ("concat", "stack") else None
-      for x, r in zip(jax.tree.leaves(shapes.aux), shapes.reductions)
-  ]
+  aux_sums = []
+  if options.has_aux:
+    aux_sums = [
+        jnp.zeros(x.shape, _aux_sum_dtype(x.dtype, r)) if r not in ("concat", "stack") else None
+        for x, r in zip(jax.tree.leaves(shapes.aux), shapes.reductions)
+    ]
   state = dev.args[options.state_argnums[0]] if options.state_argnums else None
   noise = _noise.zero_sums() if options.gradient_noise else None
   return _Carry(acc, aux_sums, state, noise)
@@ -216,6 +217,12 @@ def _agreed(dev: _Device, *flags: jax.Array) -> tuple[jax.Array, ...]:
   return tuple(agreed)
 
 
+# A microbatch without a weight under "propagate" or "unchecked": weighs 1, kept, never
+# skipped (what `_core.admit(None, None, refuse_nonfinite=False)` decides), known
+# before the loop, so that nothing is selected.
+_KEPT = _core.Admission(np.float32(1.0), np.bool_(True), np.bool_(False))
+
+
 # How a pass decides about each microbatch, given what it gives: one of
 # :func:`_added_as_is`, :func:`_kept_by_loss`, :func:`_kept_by_loss_and_gradient`.
 _Decide = Callable[[_Device, _trace.Out, _core.Accumulator, _Inputs], _Decided]
@@ -227,35 +234,38 @@ def _step(dev: _Device, decide: _Decide, carry: _Carry, x: _Inputs):
 
   Also returns its per-example aux leaves, and what ``decide`` records of it.
   """
-  acc, weight = carry.acc, x.weight
+  acc, weight, call = carry.acc, x.weight, dev.call
   share = (1.0 if weight is None else weight) / dev.batch_weight
-  out = _microbatch_out(dev, x.number, x.mb, carry.state, share)
+  if dev.shard_index is None:  # the jitted microbatch that `bind` traced, its trace reused
+    out = call.microbatch(x.number, x.mb, carry.state, share, call.diff)
+  else:
+    out = _microbatch_out(dev, x.number, x.mb, carry.state, share)
   grads, admission, finite, state_kept = decide(dev, out, acc, x)
   kept, noise, state = admission.keep, carry.noise, carry.state
   if dev.options.gradient_noise:  # without weight_fn, a microbatch weighs its rows
-    size = dev.call.rows if weight is None else weight
+    size = call.rows if weight is None else weight
     own = _result.gradients_only(out.grads, dev.shapes)
     noise = _noise.add(noise, own, size, kept, scale=share)
-  value = _core.masked(out.value, kept)
+  value = out.value if admission is _KEPT else _core.masked(out.value, kept)
   first = acc.weight == 0  # nothing kept before this microbatch
   acc = _core.add_share(acc, (value, grads), admission, dev.batch_weight, dev.shapes.kinds)
-  aux_sums, per_example = _aux_added(dev, carry.aux_sums, out.aux, weight, kept, first)
+  aux_sums, per_example = carry.aux_sums, []
+  if dev.options.has_aux:
+    aux_sums, per_example = _aux_added(dev, aux_sums, out.aux, weight, kept, first)
   if dev.options.state_argnums:
     # The state goes on as the final pass will have it: without the microbatches
     # whose gradient is not finite (a select of a small state, which holds no
     # gradient back).
     state = jax.tree.map(lambda new, old: jnp.where(state_kept, new, old), out.state, state)
-  return _Carry(acc, aux_sums, state, noise), per_example, finite
+  return _Carry(acc, aux_sums, state, noise), (per_example, finite)
 
 
 def _microbatch_out(dev: _Device, index, mb, state, share) -> _trace.Out:
-  """What microbatch ``index`` gives. On one device, from the jitted microbatch
-  that ``bind`` traced (its trace reused: ``fun`` is traced once); on each
-  device of a mesh, from ``fun`` traced there, with the parameters gathered
-  where they are sharded."""
+  """What microbatch ``index`` gives on each device of a mesh: ``fun`` traced
+  there, with the parameters gathered where they are sharded. (On one device,
+  :func:`_step` calls the jitted microbatch that ``bind`` traced: ``fun`` is
+  traced once.)"""
   call = dev.call
-  if dev.shard_index is None:
-    return call.microbatch(index, mb, state, share, call.params())
   params = dev.gathered
   if params is None:
     params = _sharding.gather(dev.plan, call.params(dev.args))
@@ -274,6 +284,8 @@ def _added_as_is(dev: _Device, out: _trace.Out, acc: _core.Accumulator, x: _Inpu
   by the weight, a scalar known before the gradient. Without one, no select.
   """
   weight = x.weight
+  if weight is None and dev.plan is None:  # added as it is, nothing to select or reduce
+    return _Decided(out.grads, _KEPT, jnp.isfinite(out.raw_value), _KEPT.keep)
   admission = _core.admit(None, weight, refuse_nonfinite=False)
   grads = out.grads
   if weight is not None:
@@ -366,12 +378,7 @@ def _pass(dev: _Device, decide: _Decide, start: _Carry, xs: _Inputs):
   microbatch, and what ``decide`` recorded of each microbatch.
   """
   step = jax.named_call(functools.partial(_step, dev, decide), name="accum_jax_microbatch")
-
-  def body(carry, x):
-    carry, per_example, finite = step(carry, x)
-    return carry, (per_example, finite)
-
-  carry, (stacked, finite) = jax.lax.scan(body, start, xs)
+  carry, (stacked, finite) = jax.lax.scan(step, start, xs)
   return carry, stacked, finite
 
 
@@ -443,7 +450,7 @@ def value_and_grad(
     num_microbatches: int,
     *,
     argnums: int | Sequence[int] = 0,
-    batch_argnums: int | Sequence[int] | None = None,
+    batch_argnums: int | Sequence[int] = 1,
     has_aux: bool = False,
     weight_fn: Callable[..., jax.typing.ArrayLike] | None = None,
     rng_argnums: int | Sequence[int] | None = None,
@@ -468,13 +475,17 @@ def value_and_grad(
     fun: the function to differentiate, as for ``jax.value_and_grad``.
     num_microbatches: an int >= 1 dividing the batch (on each device).
     argnums, has_aux: as for ``jax.value_and_grad``.
-    batch_argnums: the argument(s) to split; None: every other array argument.
+    batch_argnums: the argument(s) to split, as ``optax.microbatching``'s: 1 by
+      default (``fun(params, batch)``); ``(1, 2)`` for ``fun(params, x, y)``.
+      No other argument is split, whatever its shape.
     weight_fn: one microbatch's batch arguments to its scalar weight.
     rng_argnums: argument(s) holding PRNG keys, folded with each microbatch's index.
     state_argnums: an argument threaded through the microbatches (BatchNorm).
     aux_reduction: how each aux leaf combines ("mean", "sum", "max", "last",
-      "concat", "stack", or a pytree prefix of them); None: "mean", whatever
-      the leaf's shape, so per-example outputs need "concat".
+      "concat", "stack", or a pytree prefix of them); None: "mean" for a leaf
+      whose shape is the same on a microbatch as on the whole batch, and a
+      ValueError for one whose shape is not (per-example outputs), which must
+      name "concat" or another reduction.
     reduction: how each gradient leaf combines ("mean", "sum", "max", "last",
       a pytree prefix, or a callable); see :doc:`/guides/leaf_reductions`.
     accumulator_dtype: the sums' dtype (float32; None: the gradients' own).

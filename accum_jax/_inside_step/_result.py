@@ -64,21 +64,24 @@ def _aux_result(total, per_example, like, reduction, weight, call) -> jax.Array:
 def finalise(sums: _sharding.LocalSums, call: _call.Call) -> Any:
   """Normalises the sums into what ``jax.value_and_grad`` returns."""
   options, shapes, acc = call.options, call.shapes, sums.acc
-  value, grads = _core.share_result(
-      acc, (shapes.value, _returned(shapes.grads, options.gradient_dtype)), sums.batch_weight,
-      shapes.kinds,
-  )
+  returned = shapes.grads
+  if options.gradient_dtype is not None:
+    returned = _returned(shapes.grads, options.gradient_dtype)
+  value, grads = _core.share_result(acc, (shapes.value, returned), sums.batch_weight,
+                                    shapes.kinds)
   # Every microbatch skipped: NaN, as on the whole batch, rather than a loss of
   # 0 that hides it (accumulate, apply_if_finite... then skip the step too).
   nothing_kept = (acc.weight == 0) & (acc.num_skipped > 0)
   value = jnp.where(nothing_kept, jnp.nan, value)
   grads, state, skip = _skipped(call, acc, grads, sums.state, nothing_kept)
-  aux = jax.tree.unflatten(jax.tree.structure(shapes.aux), [
-      _aux_result(total, per_example, like, r, acc.weight, call)
-      for total, per_example, like, r in zip(
-          sums.aux_sums, sums.per_example, jax.tree.leaves(shapes.aux), shapes.reductions
-      )
-  ])
+  aux = shapes.aux
+  if options.has_aux:
+    aux = jax.tree.unflatten(jax.tree.structure(shapes.aux), [
+        _aux_result(total, per_example, like, r, acc.weight, call)
+        for total, per_example, like, r in zip(
+            sums.aux_sums, sums.per_example, jax.tree.leaves(shapes.aux), shapes.reductions
+        )
+    ])
   if options.state_argnums:
     aux = (state, aux)
   out = (value, aux) if options.has_aux else value
@@ -130,7 +133,7 @@ def _skipped_grads(call: _call.Call, grads: Any, skipped: jax.Array) -> Any:
   NaN scale would make every later step NaN.
   """
   kinds = call.shapes.grad_kinds or ("mean",) * len(jax.tree.leaves(grads))
-  params = jax.tree.leaves(call.params())
+  params = jax.tree.leaves(call.diff)
   leaves = [
       jnp.where(skipped, jnp.asarray(old).astype(g.dtype), g) if _core.is_statistic(kind)
       else jnp.where(skipped, jnp.nan, g) if jnp.issubdtype(g.dtype, jnp.inexact)
