@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from accum_jax import _core, _noise
-from accum_jax._inside_step import _call, _sharding, _trace
+from accum_jax._inside_step import _call, _trace
 
 
 class MicrobatchInfo(NamedTuple):
@@ -51,6 +51,34 @@ class MicrobatchInfo(NamedTuple):
 
 
 
+class LocalSums(NamedTuple):
+  """What one device's scan over its microbatches leaves, before normalisation.
+
+  Attributes:
+    acc: the sums of ``(value, grads)``, an ``_core.Accumulator`` filled by
+      ``_core.add_share``.
+    aux_sums: per aux leaf, its running sum, or None for a per-example leaf.
+    state: the threaded state after the last microbatch (None without one).
+    per_example: per aux leaf, its outputs in batch order (``"concat"``), or
+      stacked by microbatch (``"stack"``), or None for a summed leaf.
+    noise: the sums of the gradient-noise estimate, an ``_noise.NoiseSums``, or
+      None without ``gradient_noise``.
+    batch_weight: the weight of the whole batch (every device's), float32.
+    loss_finite: with ``on_nonfinite="propagate"``, whether each microbatch's loss
+      is finite (padding counts as finite), shape (N,), in device order under a
+      mesh; else None.
+  """
+
+  acc: Any
+  aux_sums: Any  # a list of arrays and None (or, as out_specs, one spec)
+  state: Any
+  per_example: Any  # likewise
+  noise: Any = None
+  batch_weight: Any = None
+  loss_finite: Any = None  # per microbatch, whether its loss is finite (on_nonfinite="propagate")
+
+
+
 def _aux_result(total, per_example, like, reduction, weight, call) -> jax.Array:
   if _core.is_statistic(reduction):
     return _core.statistic_result(total, like.dtype, weight)
@@ -61,7 +89,7 @@ def _aux_result(total, per_example, like, reduction, weight, call) -> jax.Array:
   return total.astype(like.dtype) if jnp.issubdtype(like.dtype, jnp.inexact) else total
 
 
-def finalise(sums: _sharding.LocalSums, call: _call.Call) -> Any:
+def finalise(sums: LocalSums, call: _call.Call) -> Any:
   """Normalises the sums into what ``jax.value_and_grad`` returns."""
   options, shapes, acc = call.options, call.shapes, sums.acc
   returned = shapes.grads
@@ -147,7 +175,7 @@ def _skipped_grads(call: _call.Call, grads: Any, skipped: jax.Array) -> Any:
 STEP_PACK_LIMIT = 1 << 12
 
 
-def _whole_step(acc: _core.Accumulator, plan: _sharding.Plan | None) -> _StepSkip:
+def _whole_step(acc: _core.Accumulator, plan: Any) -> _StepSkip:
   """``on_nonfinite="propagate"``: one check of the summed loss and gradient after the
   loop (the sums are the whole batch's, every device's), no conditional. A step
   that is skipped leaves out every microbatch of the call.
@@ -186,7 +214,7 @@ def _returned(grads: Any, gradient_dtype: Any) -> Any:
 
 
 def _noise_estimate(
-    sums: _sharding.LocalSums, shapes: _trace.Shapes
+    sums: LocalSums, shapes: _trace.Shapes
 ) -> _noise.GradientNoise | None:
   """From the sums, the combined gradient's norm read off the accumulator."""
   if sums.noise is None:
