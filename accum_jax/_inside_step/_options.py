@@ -25,7 +25,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from accum_jax import _arguments, _core
-from accum_jax._inside_step import _batching, _sharding
+from accum_jax._inside_step import _batching
+
+# How sharded parameters are gathered (DataParallel(gather=...)); see _sharding.
+Gather = Literal["per_microbatch", "once"]
+GATHERS: tuple[str, ...] = ("per_microbatch", "once")
 
 AuxReduction = Literal["mean", "sum", "max", "last", "stack", "concat"]
 AUX_REDUCTIONS: tuple[str, ...] = ("mean", "sum", "max", "last", "stack", "concat")
@@ -145,7 +149,7 @@ class DataParallel:
   mesh: jax.sharding.Mesh | None = None
   data_axis: str | tuple[str, ...] | None = None
   param_sharding: Any = None
-  gather: _sharding.Gather | None = None
+  gather: Gather | None = None
   gather_dtype: Any = None
   reduce_dtype: Any = None
   split: _batching.Split = "contiguous"
@@ -359,9 +363,9 @@ def _gradient_dtype(dtype: Any) -> Any:
 
 
 def _check_sharding_options(fields: dict[str, Any]) -> None:
-  if fields["gather"] not in _sharding.GATHERS:
+  if fields["gather"] not in GATHERS:
     raise ValueError(
-        f"DataParallel(gather={fields['gather']!r}) is not one of {_sharding.GATHERS}:"
+        f"DataParallel(gather={fields['gather']!r}) is not one of {GATHERS}:"
         " 'per_microbatch' reduce-scatters each microbatch's gradient (FSDP), 'once'"
         " gathers the parameters before the loop and reduce-scatters after it."
     )

@@ -37,7 +37,7 @@ from __future__ import annotations
 import sys
 import warnings
 from collections.abc import Sequence
-from typing import Any, Literal, NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -46,9 +46,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from accum_jax import _core
-
-Gather = Literal["per_microbatch", "once"]
-GATHERS: tuple[str, ...] = ("per_microbatch", "once")
 
 
 class UnknownShardingWarning(UserWarning):
