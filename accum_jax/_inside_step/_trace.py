@@ -289,14 +289,20 @@ def _aux_reductions(
 
   A leaf that ``spec`` leaves at None is averaged ("mean") where that gives the
   whole batch's shape. The rule, from abstract shapes only: ``whole()`` traces
-  ``fun`` on the whole batch, and a leaf whose shape there differs from its shape
-  on one microbatch (a per-example output, or anything sized by the rows)
-  depends on how the batch is split, so no reduction can be chosen for it
-  without changing what the step returns with ``num_microbatches``: a
+  ``fun``'s forward pass on the whole batch, and a leaf whose shape there differs
+  from its shape on one microbatch (a per-example output, or anything sized by
+  the rows) depends on how the batch is split, so no reduction can be chosen for
+  it without changing what the step returns with ``num_microbatches``: a
   ValueError names the leaf, both shapes and the fix (``"concat"``, or a
-  reduction of its own). ``whole`` is called only when a leaf is left at None
-  and the microbatch is not the whole batch. Per-example outputs come back in
-  batch order where ``"concat"`` asks for them."""
+  reduction of its own).
+
+  ``whole`` is called only when a leaf left at None has an axis, or the
+  microbatch has one row. A scalar of a microbatch of several rows is taken to be
+  a scalar of the whole batch too, so that the usual aux (a dict of scalar
+  metrics) costs no second trace: its rank would have to change with the number
+  of rows, which a squeeze of a one-row axis does (hence one-row microbatches are
+  always compared) and otherwise only code that branches on the batch's size.
+  Per-example outputs come back in batch order where ``"concat"`` asks for them."""
   reductions = []
   given = _arguments.per_leaf_spec(_completed(spec, aux), aux, "aux_reduction", "the aux")
   leaves = jax.tree.leaves_with_path(aux)
@@ -310,7 +316,10 @@ def _aux_reductions(
       )
     reductions.append(requested or "mean")
   defaults = [i for i, (requested, _) in enumerate(given) if requested is None]
-  if defaults and (full := whole()) is not None:
+  # Scalars on microbatches of several rows are the whole batch's scalars (see above):
+  # then fun is traced once, as in a hand-written scan.
+  compared = rows == 1 or any(leaves[i][1].shape for i in defaults)
+  if compared and (full := whole()) is not None:
     _check_default_shapes([leaves[i] for i in defaults],
                           [jax.tree.leaves(full)[i] for i in defaults], rows)
   return tuple(reductions)
