@@ -76,7 +76,10 @@ class Accumulator(NamedTuple):
   Attributes:
     total: ``sum(w_i * x_i)`` over the added pytrees, leaves in the accumulator
       dtype; for leaves narrower than float32 (float16, bfloat16), the weighted
-      mean ``sum(w_i * x_i) / sum(w_i)`` instead, which cannot overflow.
+      mean ``sum(w_i * x_i) / sum(w_i)`` instead, which cannot overflow. While
+      ``count`` is 0 (a window that holds no call yet) it is not read, and may
+      hold the last window's values: :func:`add` starts from zeros then, so that
+      ending a window writes nothing into its buffers.
     weight: ``sum(w_i)``; shape=(), dtype=float32.
     count: number of pytrees offered and not skipped, zero weights included;
       shape=(), dtype=int32.
@@ -210,9 +213,11 @@ def all_finite(tree: Any) -> jax.Array:
   three times slower on CPU), and no conditional: on a GPU one would make the
   host wait.
   """
-  leaves = [jnp.asarray(x) for x in jax.tree.leaves(tree)]
-  zeros = [jnp.sum(x - x, dtype=_wide(x.dtype)) for x in leaves
-           if jnp.issubdtype(x.dtype, jnp.inexact)]
+  zeros = []
+  for x in jax.tree.leaves(tree):
+    x = jnp.asarray(x)
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+      zeros.append(jnp.sum(x - x, dtype=_wide(x.dtype)))
   if not zeros:
     return jnp.array(True)
   return functools.reduce(jnp.add, zeros) == 0
@@ -453,8 +458,12 @@ def add(
   # The new call's share of the window, for the running means of narrow leaves.
   share = w / jnp.where(new_weight > 0, new_weight, 1.0)
   first = acc.weight == 0
+  empty = acc.count == 0  # the total may hold the last window's values: not read
 
   def add_leaf(total, x, kind):
+    # A select fused into the add, not zeros written when the window ended: that
+    # write would cost the ending call a copy of the window's sum.
+    total = jnp.where(empty, jnp.zeros((), total.dtype), total)
     if is_statistic(kind):
       return add_statistic(kind, total, x, keep, first)
     if is_narrow(total.dtype):

@@ -155,7 +155,17 @@ TRIGGERS: dict[str, Callable[[], object]] = {
         optax.sgd(1.0), 2, skip_nonfinite="window"),
     "`weight=` given": lambda: accum_jax.MultiSteps(optax.sgd(1.0), 2).update(
         {"w": W}, accum_jax.MultiSteps(optax.sgd(1.0), 2).init({"w": W}), weight=1.0),
-    "`layout=` (removed)": lambda: accum_jax.accumulate(optax.sgd(1.0), 2, layout="flat"),
+    "`layout='flat'` (removed)": lambda: accum_jax.accumulate(optax.sgd(1.0), 2, layout="flat"),
+    "`pack_inner_state=` (replaced by `layout=`)": lambda: accum_jax.accumulate(
+        optax.sgd(1.0), 2, pack_inner_state=True),
+    "`layout='packed'` with a parameter sharded over devices": lambda: accum_jax.accumulate(
+        optax.sgd(1.0), 2, layout="packed").init(
+            {"w": jax.device_put(jnp.ones(8), NamedSharding(_mesh(), P("data")))}),
+    "a keyword of `update` is a misspelling of `apply`, `flush` or `weight`": lambda: _host_update(
+        aplly=True),
+    "the state was made by an `accumulate` with another `every_k`": lambda: (
+        accum_jax.accumulate(optax.sgd(1.0), 2).update(
+            {"w": jnp.ones(2)}, accum_jax.accumulate(optax.sgd(1.0), 4).init({"w": jnp.ones(2)}))),
     "`apply` is not a Python bool (a traced or array value)": lambda: _host_update(
         apply=jnp.array(True)),
     "`apply` given with `flush=True`": lambda: _host_update(apply=False, flush=True),
@@ -407,13 +417,13 @@ def check_traced_bad_weights_are_skipped_and_counted() -> None:
   _, state = update({"w": W}, opt.init(params), params, weight=jnp.float32(2.0))
   for skipped, weight in enumerate((-1.0, np.nan, np.inf), start=1):
     updates, new_state = update({"w": W}, state, params, weight=jnp.float32(weight))
-    assert int(new_state.num_skipped) == skipped
+    assert int(new_state.num_bad_weights) == skipped and int(new_state.num_skipped) == 0
     assert not bool(accum_jax.has_updated(new_state))
     np.testing.assert_array_equal(updates["w"], 0.0)
     # The window holds what it held: one call, of weight 2.
     assert int(new_state.mini_step) == 1
-    assert float(new_state.accumulator.weight) == 2.0
-    tree_allclose(new_state.acc_grads, {"w": 2.0 * W})
+    assert float(new_state.window_weight) == 2.0
+    tree_allclose(new_state.acc_grads, {"w": W})  # its mean
     state = new_state
 
 

@@ -298,14 +298,26 @@ def test_the_estimate_costs_no_memory_beside_the_step():
   assert temp[True] - temp[False] < 4 * 256, temp  # a few scalars, not a 256 KiB leaf
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_across_calls_the_estimate_costs_no_memory_beside_the_update(dtype):
+@pytest.mark.parametrize("dtype, layout", [
+    (jnp.float32, "packed"), (jnp.bfloat16, "packed"), (jnp.float32, "tree"),
+    pytest.param(jnp.bfloat16, "tree", marks=pytest.mark.xfail(strict=True, reason=(
+        "open: with layout='tree' the device schedule's applying branch keeps a float32"
+        " buffer of one leaf beside the bfloat16 update when it estimates the noise")))])
+def test_across_calls_the_estimate_costs_no_memory_beside_the_update(dtype, layout):
   """The window's mean gradient norm is read off the accumulator: no float32 copy
-  of the mean gradient beside the inner update's."""
+  of the mean gradient beside the inner update's, in the step users write (the
+  gradient taken in it, the state donated)."""
   params = {f"w{i}": jnp.zeros((256, 256), dtype) for i in range(3)}
   temp = {}
   for noise in (False, True):
-    opt = accum_jax.accumulate(optax.adam(1e-3), every_k=4, gradient_noise=noise)
-    compiled = jax.jit(opt.update).lower(params, opt.init(params), params).compile()
+    opt = accum_jax.accumulate(optax.adam(1e-3), every_k=4, gradient_noise=noise, layout=layout)
+
+    def step(state, params, x):
+      grads = jax.grad(lambda p: sum(jnp.sum(jnp.tanh(x @ w)) for w in p.values()))(params)
+      updates, state = opt.update(grads, state, params)
+      return state, optax.apply_updates(params, updates)
+
+    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(
+        opt.init(params), params, jnp.ones((4, 256), dtype)).compile()
     temp[noise] = compiled.memory_analysis().temp_size_in_bytes
   assert temp[True] - temp[False] < 4 * 256, temp  # a few scalars, not a 256 KiB leaf

@@ -40,6 +40,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import accum_jax
+from accum_jax._across_calls import _layout
 
 # ---------------------------------------------------------------------------
 # Shared machinery.
@@ -80,6 +81,11 @@ def _assert_zeros(tree):
 
 def _bools(x):
   return [bool(b) for b in np.asarray(x)]
+
+
+def _inner_tree(state):
+  """The inner optimizer's own tree, packed or not (of stacked states too)."""
+  return _layout.tree_of(state.inner_opt_state)
 
 
 def _ints(x):
@@ -217,7 +223,7 @@ def test_inner_state_count_advances_only_on_updates():
   _, _, states = scan_updates(
       _accumulated("adam", k), params, stack_trees(microbatch_grads(params, 2 * k))
   )
-  adam_state = states.inner_opt_state[0]
+  adam_state = _inner_tree(states)[0]
   assert isinstance(adam_state, optax.ScaleByAdamState)
   assert _ints(adam_state.count) == [0, 0, 1, 1, 1, 2]
 
@@ -272,27 +278,33 @@ def _lower(form: str, update: Any, state: Any, grads: Any, params: Any) -> Any:
   return jax.jit(update, donate_argnums=JIT_FORMS[form]).lower(grads, state, params)
 
 
-@pytest.mark.parametrize("form", list(JIT_FORMS))
-def test_a_call_that_only_accumulates_copies_nothing_where_the_state_keeps_its_buffers(form):
+# A packed window's sum cannot carry the updates through the device schedule's
+# conditional (it is read back through slices): the gradient does, which is free
+# where it is donated or computed in the step, as a training step computes it.
+@pytest.mark.parametrize("form, layout", [(form, "tree") for form in JIT_FORMS] + [
+    ("jax.jit(tx.update, donate_argnums=(0, 1))", "packed")])
+def test_a_call_that_only_accumulates_copies_nothing_where_the_state_keeps_its_buffers(
+    form, layout):
   # Counting copies in the compiled HLO is deterministic; the time this saves is
   # in bench/. Several parameters share a shape, as in most models.
   params = {f"layer{i}": {"w": jnp.ones((32, 32)), "b": jnp.ones(32)} for i in range(3)}
   grads = jax.tree.map(lambda x: 0.5 * x, params)
-  opt = accum_jax.accumulate(optax.adam(1e-3), every_k=4)
-  copies = full_size_copies(_lower(form, opt.update, opt.init(params), grads, params).compile(),
-                            params)
+  opt = accum_jax.accumulate(optax.adam(1e-3), every_k=4, layout=layout)
+  compiled = _lower(form, opt.update, opt.init(params), grads, params).compile()
   # Each state leaf keeps its buffer: the sum is added in place, the moments stay
   # where they are, and the updates take the gradients' buffers, or come through in
-  # the sum's (the conditional's skip branch passes the window's sum through as the
-  # updates, so that XLA:GPU keeps it).
-  assert copies == 0, copies
+  # the sum's (the conditional's skip branch passes a carrier of the updates
+  # through, so that XLA:GPU keeps it).
+  assert full_size_copies(compiled, params) == 0
+  assert full_size_copies(compiled, opt.init(params)) == 0  # nor of a packed vector
 
 
-def test_a_call_that_takes_its_gradient_in_the_same_step_copies_nothing():
+@pytest.mark.parametrize("layout", ["packed", "tree"])
+def test_a_call_that_takes_its_gradient_in_the_same_step_copies_nothing(layout):
   # As a training step is written: the gradient is computed in the step, so its
   # buffer is free to become the updates the skip branch passes through.
   params = {f"layer{i}": {"w": jnp.ones((32, 32)), "b": jnp.ones(32)} for i in range(3)}
-  opt = accum_jax.accumulate(optax.adam(1e-3), every_k=4)
+  opt = accum_jax.accumulate(optax.adam(1e-3), every_k=4, layout=layout)
 
   def step(state, params, x):
     def loss(p):
@@ -349,9 +361,10 @@ def test_negative_or_nan_weights_are_skipped_under_jit_and_refused_when_concrete
   _, updates, states = scan_updates(
       opt, params, stack_trees(grads), {"weight": jnp.array(weights)}, apply_updates=False
   )
-  # The two bad weights are skipped like non-finite gradients: not counted
-  # toward k, not added.
-  assert _ints(states.num_skipped) == [0, 1, 2, 2, 2, 2]
+  # The two bad weights are left out, not counted toward k, not added, and
+  # counted as bad weights (not as non-finite data).
+  assert _ints(states.num_bad_weights) == [0, 1, 2, 2, 2, 2]
+  assert _ints(states.num_skipped) == [0] * 6
   assert _ints(states.mini_step) == [1, 1, 1, 2, 0, 1]
   expected = tree_weighted_mean([grads[0], grads[3], grads[4]], [1.0, 2.0, 0.5])
   tree_allclose(unstack_tree(updates)[4], expected)
@@ -462,7 +475,7 @@ def test_flush_drops_nothing_and_an_empty_window_flush_does_nothing():
   emitting = [i in (1, 5, 8) for i in range(len(calls))]
   assert _bools(states.last_updated) == emitting
   assert _ints(states.optimizer_step) == list(np.cumsum(emitting))
-  assert _ints(states.inner_opt_state[1].count) == list(np.cumsum(emitting))
+  assert _ints(_inner_tree(states)[1].count) == list(np.cumsum(emitting))
   assert _ints(states.num_skipped) == [0, 0, 0, 1, 1, 2, 2, 2, 2]
   assert _ints(states.num_empty_windows) == [0, 0, 1, 1, 1, 1, 1, 1, 1]
 
@@ -719,19 +732,15 @@ def test_inject_hyperparams_inner_keeps_working():
   params = make_params()
   g1, g2 = microbatch_grads(params, 2)
   state = jax.jit(opt.init)(params)
-  hyperparams = state.inner_opt_state.hyperparams
-  np.testing.assert_allclose(hyperparams["learning_rate"], 0.1)
+  # optax.tree.get and set reach the inner hyperparameters in either layout.
+  np.testing.assert_allclose(optax.tree.get(state, "learning_rate"), 0.1)
   # Change the learning rate between steps, as a user would.
-  state = state._replace(
-      inner_opt_state=state.inner_opt_state._replace(
-          hyperparams={**hyperparams, "learning_rate": jnp.asarray(0.5, jnp.float32)}
-      )
-  )
+  state = optax.tree.set(state, learning_rate=jnp.asarray(0.5, jnp.float32))
   _, updates, states = scan_updates(
       opt, params, stack_trees([g1, g2]), state=state, apply_updates=False
   )
   tree_allclose(unstack_tree(updates)[1], _scaled(-0.5, tree_weighted_mean([g1, g2])))
-  np.testing.assert_allclose(states.inner_opt_state.hyperparams["learning_rate"], 0.5)
+  np.testing.assert_allclose(optax.tree.get(states, "learning_rate"), 0.5)
 
 
 # ---------------------------------------------------------------------------
@@ -828,7 +837,7 @@ def test_value_and_grad_given_to_the_inner_optimizer_are_the_windows(reduction):
       },
       apply_updates=False,
   )
-  seen = states.inner_opt_state
+  seen = _inner_tree(states)
   kept = [[0, 2, 3, 4], [6, 7, 8, 9]]
   emitting = [4, 9]
   assert _bools(states.last_updated) == [i in emitting for i in range(10)]
@@ -891,7 +900,7 @@ def test_float16_window_with_a_total_weight_of_1e5_applies_the_weighted_mean():
         np.asarray(updates["w"][-1], np.float64), expected, rtol=4e-3, atol=1e-3
     )
     assert int(states.num_skipped[-1]) == 0
-    assert float(states.accumulator.weight[-2]) == 1e5 - 20000.0
+    assert float(states.window_weight[-2]) == 1e5 - 20000.0
 
 
 @with_and_without_jit
@@ -901,9 +910,10 @@ def test_a_float16_sum_that_overflows_is_skipped_and_counted():
   for accumulator_dtype in (None, jnp.float32):
     opt = _identity_accumulated(3, reduction="sum", accumulator_dtype=accumulator_dtype)
     _, updates, states = scan_updates(opt, params, grads, apply_updates=False)
-    # The first window sums to 90000: not applied, its three calls skipped.
+    # The first window sums to 90000: not applied, its three calls counted.
     assert _bools(states.last_updated) == [False, False, False, False, False, True]
-    assert _ints(states.num_skipped) == [0, 0, 3, 3, 3, 3]
+    assert _ints(states.num_overflowed) == [0, 0, 3, 3, 3, 3]
+    assert _ints(states.num_skipped) == [0] * 6
     np.testing.assert_array_equal(np.asarray(updates["w"], np.float32)[:, 0], [0, 0, 0, 0, 0, 6])
     assert _ints(states.optimizer_step) == [0, 0, 0, 0, 0, 1]
 

@@ -1,130 +1,54 @@
 """The inner optimizer's state as :func:`accum_jax.accumulate`'s state keeps it.
 
-Placed like the parameters (:func:`sharded_like`), and with ``pack_inner_state``
-packed: a pytree kept as one vector per dtype, :class:`Packed`.
-
-Each array passed to a jitted call costs the host its dispatch (about 20 us a
-buffer on an H200 machine, 13 us on a 2-core CPU, whatever its size), and an Optax
-transformation is handed its whole state on every call. ``accumulate(...,
-pack_inner_state=True)`` keeps the inner optimizer's state packed: AdamW's two
-moments per parameter become one float32 vector, which a call that only adds
-passes through untouched; the call that applies a window unpacks it, runs the
-inner optimizer on the tree it made, and packs the result. The inner optimizer
-sees its own tree: packing changes no arithmetic.
-
-A leaf that is weakly typed (a Python scalar made an array) is kept as it is:
-a vector cannot hold its weak type.
+With ``layout="packed"``, in buckets (:mod:`._layout`): AdamW's two moments per
+parameter become a few vectors, which a call that only adds passes through
+untouched; the call that applies a window unpacks them, runs the inner optimizer
+on the tree they make, and packs the result (:func:`repack`). The inner optimizer
+sees its own tree: packing changes no arithmetic. With ``layout="tree"``, the tree
+itself, each parameter-shaped leaf placed like its parameter (:func:`sharded_like`).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from accum_jax import _core
-from accum_jax._across_calls import _update_args
+from accum_jax._across_calls import _layout
 
 
-@dataclasses.dataclass(frozen=True)
-class _Slot:
-  """Where one leaf lives: in vector ``group`` from ``offset``, or loose (group -1)."""
-
-  group: int
-  offset: int
-  shape: tuple[int, ...]
-  dtype: Any
-
-
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["vectors", "loose"],
-                   meta_fields=["treedef", "slots"])
-@dataclasses.dataclass(frozen=True)
-class Packed:
-  """A pytree as one vector per dtype (and its weakly typed leaves as they are).
-
-  Attributes:
-    vectors: one 1-D array per dtype, the leaves of that dtype raveled in order.
-    loose: the leaves that stay leaves (weakly typed).
-    treedef: the tree's structure (static).
-    slots: per leaf, where it lives (static).
-  """
-
-  vectors: tuple[Any, ...]
-  loose: tuple[Any, ...]
-  treedef: Any
-  slots: tuple[_Slot, ...]
-
-  def unpack(self) -> Any:
-    """The tree, each leaf a slice of its vector, reshaped."""
-    loose = iter(self.loose)
-    leaves = [
-        next(loose) if s.group < 0
-        else jax.lax.slice(self.vectors[s.group], (s.offset,),
-                           (s.offset + math.prod(s.shape),)).reshape(s.shape)
-        for s in self.slots
-    ]
-    return jax.tree.unflatten(self.treedef, leaves)
+def stored(inner_state: Any, params: Any, *, packed: bool) -> Any:
+  """The inner state as the state keeps it: in buckets (:class:`_layout.Packed`), or
+  as its tree with each parameter-shaped leaf placed like its parameter."""
+  if packed:
+    inner_state = _layout.unwrapped(inner_state)
+    return _layout.plan(inner_state).pack(inner_state)
+  return sharded_like(inner_state, params)
 
 
-def pack_tree(tree: Any) -> Packed:
-  """``tree`` as a :class:`Packed`: its arrays grouped by dtype, in order."""
-  leaves, treedef = jax.tree.flatten(tree)
-  groups: dict[Any, list[Any]] = {}
-  slots, loose = [], []
-  sizes: dict[Any, int] = {}
-  for leaf in leaves:
-    leaf = jnp.asarray(leaf)
-    if getattr(jax.typeof(leaf), "weak_type", False):
-      slots.append(_Slot(-1, 0, leaf.shape, leaf.dtype))
-      loose.append(leaf)
-      continue
-    index = list(groups).index(leaf.dtype) if leaf.dtype in groups else len(groups)
-    offset = sizes.get(leaf.dtype, 0)
-    groups.setdefault(leaf.dtype, []).append(leaf.reshape(-1))
-    sizes[leaf.dtype] = offset + leaf.size
-    slots.append(_Slot(index, offset, leaf.shape, leaf.dtype))
-  vectors = tuple(
-      jnp.concatenate(parts) if len(parts) > 1 else parts[0] for parts in groups.values())
-  return Packed(vectors, tuple(loose), treedef, tuple(slots))
-
-
-def repack(packed: Packed, tree: Any) -> Packed:
-  """``tree``'s leaves (as many as ``packed``'s, each cast to its slot's dtype) packed
-  in ``packed``'s slots and structure, so that the state keeps one structure across
-  calls (a framework may wrap the leaves the inner update returns, as
-  ``nnx.Optimizer`` does its parameters: the leaves are what count)."""
+def repack(packed: _layout.Packed, tree: Any) -> _layout.Packed:
+  """``tree``'s leaves (as many as ``packed``'s, each cast to the dtype init made) in
+  ``packed``'s buckets, so that the state keeps one structure across calls."""
   leaves = jax.tree.leaves(tree)
-  if len(leaves) != len(packed.slots):
+  slots = packed.layout.slots
+  if len(leaves) != len(slots) or [jnp.shape(x) for x in leaves] != list(packed.layout.shapes):
     raise ValueError(
-        f"The inner optimizer's update returned {len(leaves)} state leaves where its init"
-        f" made {len(packed.slots)}, which pack_inner_state=True cannot keep in place:"
-        " pass pack_inner_state=False.")
-  cast = [jax.lax.convert_element_type(x, s.dtype) if s.group >= 0 else x
-          for x, s in zip(leaves, packed.slots)]
-  new = pack_tree(jax.tree.unflatten(packed.treedef, cast))
-  if new.slots != packed.slots:
-    raise ValueError(
-        "The inner optimizer's update changed its state's leaves (their shapes or weak"
-        " types), which pack_inner_state=True cannot keep in place: pass"
-        " pack_inner_state=False.")
-  return new
-
-
-def stored(inner_state: Any, params: Any, *, pack: bool) -> Any:
-  """The inner state as the state keeps it: packed with ``pack_inner_state``."""
-  if not pack:
-    return inner_state
-  _update_args.check_packable(params)
-  return pack_tree(inner_state)
-
-
-def tree_of(stored: Any) -> Any:
-  """The inner optimizer's own tree of a stored inner state."""
-  return stored.unpack() if isinstance(stored, Packed) else stored
+        "The inner optimizer's update returned a state whose leaves differ from the ones"
+        f" its init made ({len(leaves)} leaves where init made {len(slots)}, or other"
+        " shapes), which layout='packed' cannot keep in its buckets: pass layout='tree' to"
+        " accumulate.")
+  kept = iter(jax.tree.leaves(packed.skeleton))
+  cast = []
+  for x, s in zip(leaves, slots):
+    if s is not None:
+      cast.append(jax.lax.convert_element_type(x, s.dtype))
+      continue
+    old = next(kept)  # a weakly typed leaf stays as the update made it
+    weak = getattr(jax.typeof(old), "weak_type", False)
+    cast.append(x if weak else jax.lax.convert_element_type(x, jnp.result_type(old)))
+  return packed.layout.pack(cast)
 
 
 def sharded_like(tree: Any, params: Any) -> Any:

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import optax
 
 from accum_jax import _arguments, _core
-from accum_jax._across_calls import _schedules, _transform, _update_args
+from accum_jax._across_calls import _schedules, _state, _transform, _update_args
 from accum_jax._across_calls._state import AccumulationState
 
 # optax's class itself, re-exported: accum_jax.MultiSteps' state, and Optax's.
@@ -74,22 +74,15 @@ def _to_accumulation(
     return acc * weight.astype(dtype) if kind == "mean" else acc
 
   kinds_tree = jax.tree.unflatten(jax.tree.structure(grads), kinds)
-  zero = jnp.zeros((), jnp.int32)
+  counts = [count, jnp.asarray(state.gradient_step, jnp.int32)]
   return AccumulationState(
-      accumulator=_core.Accumulator(
-          total=jax.tree.map(total, state.acc_grads, grads, kinds_tree),
-          weight=weight,
-          count=count,
-          num_skipped=zero,
-      ),
-      optimizer_step=jnp.asarray(state.gradient_step, jnp.int32),
+      window_total=jax.tree.map(total, state.acc_grads, grads, kinds_tree),
       inner_opt_state=state.inner_opt_state,
-      last_updated=jnp.array(False),
-      num_empty_windows=zero,
-      value_accumulator=_core.init(jnp.zeros((), jnp.float32), jnp.float32),
-      window_value=jnp.zeros((), jnp.float32),
+      counts=jnp.stack(counts + [jnp.zeros((), jnp.int32)] * (len(_state.COUNTS) - 2)),
+      sums=jnp.stack([weight] + [jnp.zeros((), jnp.float32)] * (len(_state.SUMS) - 1)),
       skip_state=state.skip_state,
       every_k=every_k,
+      reductions=_state.Reductions(tuple(kinds)),
   )
 
 
@@ -97,7 +90,7 @@ def _to_multisteps(
     accumulation: AccumulationState, kinds: tuple[str, ...], like: Any
 ) -> optax.MultiStepsState:
   """``accumulation`` as ``optax.MultiStepsState``, ``acc_grads`` in the dtypes of ``like``."""
-  acc_grads = _window_gradient(accumulation.accumulator, kinds)
+  acc_grads = _state.window_gradient(accumulation)
   return optax.MultiStepsState(
       mini_step=accumulation.mini_step,
       gradient_step=accumulation.optimizer_step,
@@ -105,26 +98,6 @@ def _to_multisteps(
       acc_grads=jax.tree.map(lambda a, x: a.astype(jnp.result_type(x)), acc_grads, like),
       skip_state=accumulation.skip_state,
   )
-
-
-def _window_gradient(acc: _core.Accumulator, kinds: tuple[str, ...]) -> Any:
-  """The window's mean (or sum), as ``optax.MultiSteps`` keeps it; zeros while empty.
-
-  The accumulator holds the sum, or in a dtype narrower than float32 the mean.
-  """
-  weight = jnp.asarray(acc.weight)
-
-  def read(t, kind):
-    if _core.is_statistic(kind):
-      return t
-    if _core.is_narrow(t.dtype):  # t holds the mean
-      return t if kind == "mean" else (t.astype(jnp.float32) * weight).astype(t.dtype)
-    if kind == "sum":
-      return t
-    return (t / jnp.where(weight > 0, weight, 1.0).astype(t.dtype)).astype(t.dtype)
-
-  kinds_tree = jax.tree.unflatten(jax.tree.structure(acc.total), kinds)
-  return jax.tree.map(read, acc.total, kinds_tree)
 
 
 def _optax_accumulator_dtype() -> Any:
@@ -203,6 +176,7 @@ class MultiSteps:
         accumulator_dtype=accumulator_dtype,
         should_skip_update_fn=should_skip_update_fn,
         every_k_name="every_k_schedule",
+        layout="tree",
     )
     # Optax's dtype of acc_grads (None: the parameters'), checked by accumulate above.
     dtype = _core.canonicalize_accumulator_dtype(accumulator_dtype)
@@ -231,7 +205,7 @@ class MultiSteps:
     """The initial state: an empty window and the inner optimizer's state."""
     accumulation = self._transform.init(params)
     zeros = jax.tree.map(
-        lambda t: t.astype(self._acc_grads_dtype(t.dtype)), accumulation.accumulator.total
+        lambda t: t.astype(self._acc_grads_dtype(t.dtype)), accumulation.window_total
     )
     return optax.MultiStepsState(
         mini_step=accumulation.mini_step,

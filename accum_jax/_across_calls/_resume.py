@@ -205,7 +205,7 @@ def abstract_state(opt: _HasInit, params: Any) -> Any:
     >>> target = accum_jax.checkpoint.abstract_state(opt, params)
     >>> target.inner_opt_state[0].mu["w"].sharding.spec
     P('data',)
-    >>> target.mini_step.sharding.spec
+    >>> target.counts.sharding.spec
     P()
 
     With Orbax, ``restored = ocp.v1.load(path, target)`` (or

@@ -8,6 +8,7 @@ state, a Flax ``TrainState``, an ``nnx.Optimizer``.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
 
 import jax
@@ -15,33 +16,59 @@ import jax.numpy as jnp
 import optax
 
 from accum_jax import _core
-from accum_jax._across_calls import _schedules
+from accum_jax._across_calls import _layout, _schedules
+
+
+# The int32 counters of a state, one vector (``AccumulationState.counts``): a call
+# passes one buffer for them all. Each is read by the property of its name.
+COUNTS = (
+    "mini_step",  # calls in the current window: zero weights in, skipped calls out
+    "optimizer_step",  # updates the inner optimizer applied
+    "last_updated",  # 1 if the last call applied the inner optimizer, else 0
+    "num_skipped",  # calls left out for non-finite data (their own, or their window's)
+    "num_bad_weights",  # calls left out for a negative or non-finite traced weight
+    "num_rejected",  # calls left out by MultiSteps' should_skip_update_fn
+    "num_overflowed",  # calls of windows whose weighted sum overflows float16/bfloat16
+    "num_empty_windows",  # windows that ended holding zero weight
+)
+# The float32 sums of a state, one vector (``AccumulationState.sums``).
+SUMS = (
+    "weight",  # the current window's weight: calls (or weight= arguments) kept
+    "value_total",  # the weighted sum of the current window's value= arguments
+    "value_weight",  # their weight
+    "window_value",  # the value the inner optimizer got on the last update (0 before)
+)
+COUNT = {name: i for i, name in enumerate(COUNTS)}
+SUM = {name: i for i, name in enumerate(SUMS)}
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class Reductions:
+  """How each gradient leaf combines ("mean", "sum", "max", "last"), kept in the
+  state as static data (a pytree node with no leaves)."""
+
+  kinds: tuple[str, ...]
 
 
 class AccumulationState(NamedTuple):
   """State of :func:`accumulate`.
 
-  The names ``mini_step``, ``gradient_step`` and ``inner_opt_state`` read as in
-  ``optax.MultiStepsState``; ``acc_grads`` is the window's weighted sum whatever
-  the reduction. (:class:`accum_jax.MultiSteps`' state is optax's
-  ``MultiStepsState`` itself, whose ``acc_grads`` is the running mean under
-  ``use_grad_mean=True``.)
+  The counters and sums are two small vectors (a call passes one buffer for each),
+  read by properties: ``mini_step``, ``optimizer_step`` (``gradient_step``, as
+  ``optax.MultiStepsState`` names it), ``num_skipped``, ``window_value``, ...;
+  ``acc_grads`` is the window's gradient so far, as the inner optimizer would get
+  it (its mean, or with ``reduction="sum"`` its sum), as ``optax.MultiSteps``'
+  ``acc_grads`` is.
   """
 
-  # The current window; see _core.Accumulator. `total` is the window's running
-  # sum, zeros once the window has ended (applied, skipped or empty).
-  accumulator: _core.Accumulator
-  optimizer_step: jax.Array  # shape=(), dtype=int32: updates emitted so far
-  inner_opt_state: Any  # the inner optimizer's state, advanced only on updates
-  last_updated: jax.Array  # shape=(), dtype=bool: did the last call update
-  num_empty_windows: jax.Array  # shape=(), dtype=int32: windows of zero weight
-  # The window's `value=` arguments (losses) and their weights: the inner
-  # optimizer gets their weighted mean; total shape=(), dtype=float32.
-  value_accumulator: _core.Accumulator
-  # The `value=` the inner optimizer got on the last update: the last applied
-  # window's loss, weighted as its gradient (0 until one is); shape=(),
-  # dtype=float32. What to log as the window's loss.
-  window_value: jax.Array
+  # The window's running total (_core.Accumulator.total): with layout="packed" a
+  # _layout.Packed of a few vectors, with layout="tree" the gradients' tree. Not
+  # read while mini_step is 0: it may hold the last window's values then.
+  window_total: Any
+  inner_opt_state: Any  # the inner optimizer's state (packed likewise), advanced only on updates
+  counts: jax.Array  # shape=(len(COUNTS),), dtype=int32
+  sums: jax.Array  # shape=(len(SUMS),), dtype=float32
   skip_state: Any = ()  # what MultiSteps' should_skip_update_fn reported
   # With gradient_noise (or a noise_scale_every_k schedule); () otherwise:
   noise: Any = ()  # _noise.NoiseSums of the current window's calls
@@ -50,11 +77,22 @@ class AccumulationState(NamedTuple):
   window_length: Any = ()  # shape=(), int32: k of the current window, likewise
   # The every_k given to accumulate, as static data (no leaf): HostSchedule reads it.
   every_k: _schedules.WindowSchedule = _schedules.WindowSchedule(None)
+  # How each gradient leaf combines (_core.per_leaf), as static data: acc_grads reads it.
+  reductions: Reductions | None = None
+
+  def counter(self, name: str) -> jax.Array:
+    """The int32 counter ``name`` of :data:`COUNTS`."""
+    return jnp.asarray(self.counts)[..., COUNT[name]]
 
   @property
   def mini_step(self) -> jax.Array:
     """Calls accumulated in the current window; shape=(), dtype=int32."""
-    return self.accumulator.count
+    return self.counter("mini_step")
+
+  @property
+  def optimizer_step(self) -> jax.Array:
+    """Updates the inner optimizer has applied; shape=(), dtype=int32."""
+    return self.counter("optimizer_step")
 
   @property
   def gradient_step(self) -> jax.Array:
@@ -62,23 +100,73 @@ class AccumulationState(NamedTuple):
     return self.optimizer_step
 
   @property
-  def acc_grads(self) -> Any:
-    """The window's weighted gradient sum, in the accumulator dtype.
-
-    For an accumulator narrower than float32 (``accumulator_dtype=None`` with
-    float16 or bfloat16 gradients), the weighted mean, as ``optax.MultiSteps``
-    keeps it: a float16 sum overflows where the mean does not. Zeros while the
-    window holds no call.
-    """
-    return self.accumulator.total
+  def last_updated(self) -> jax.Array:
+    """Whether the last call applied the inner optimizer; shape=(), dtype=bool."""
+    return self.counter("last_updated") > 0
 
   @property
   def num_skipped(self) -> jax.Array:
-    """Calls skipped so far: a gradient or ``value`` that was not finite, a traced
-    weight that was negative or not finite, a call a skip function rejected, or
-    the calls of a window whose weighted sum (``reduction="sum"``) overflows the
-    gradients' float16 or bfloat16 dtype; int32 scalar."""
-    return self.accumulator.num_skipped
+    """Calls left out for non-finite data: a gradient or ``value`` holding a NaN or
+    Inf (``on_nonfinite="skip_microbatch"``), or the calls of a window whose sum
+    holds one (``"skip_window"``); int32 scalar. Calls left out for other causes
+    have counters of their own: ``num_bad_weights``, ``num_rejected``,
+    ``num_overflowed``."""
+    return self.counter("num_skipped")
+
+  @property
+  def num_bad_weights(self) -> jax.Array:
+    """Calls left out for a traced ``weight`` that was negative or not finite."""
+    return self.counter("num_bad_weights")
+
+  @property
+  def num_rejected(self) -> jax.Array:
+    """Calls that :class:`accum_jax.MultiSteps`' ``should_skip_update_fn`` rejected."""
+    return self.counter("num_rejected")
+
+  @property
+  def num_overflowed(self) -> jax.Array:
+    """Calls of windows dropped because their weighted sum (``reduction="sum"``)
+    overflows the gradients' float16 or bfloat16 dtype."""
+    return self.counter("num_overflowed")
+
+  @property
+  def num_empty_windows(self) -> jax.Array:
+    """Windows that ended holding zero weight (nothing to apply)."""
+    return self.counter("num_empty_windows")
+
+  @property
+  def window_weight(self) -> jax.Array:
+    """The current window's weight: its kept calls, or their ``weight=``; float32."""
+    return jnp.asarray(self.sums)[..., SUM["weight"]]
+
+  @property
+  def window_value(self) -> jax.Array:
+    """The ``value=`` the inner optimizer got on the last update: the last applied
+    window's loss, weighted as its gradient (0 until one is); float32 scalar."""
+    return jnp.asarray(self.sums)[..., SUM["window_value"]]
+
+  @property
+  def acc_grads(self) -> Any:
+    """The window's gradient so far, in the gradients' tree and the accumulator
+    dtype: its weighted mean (its sum under ``reduction="sum"``), what the inner
+    optimizer would get if the window ended now; zeros while it holds no call."""
+    return window_gradient(self)
+
+
+def window_gradient(state: AccumulationState) -> Any:
+  """``state.acc_grads``: the window's result so far, zeros while it holds no call (of
+  each state, for states stacked along a leading axis, e.g. by a ``lax.scan``)."""
+  if jnp.ndim(state.counts) > 1:
+    return jax.vmap(window_gradient)(state)
+  total = state.window_total
+  kinds = state.reductions.kinds if state.reductions else None
+  if isinstance(total, _layout.Packed):
+    kinds = total.layout.keys
+  sums = jnp.asarray(state.sums)
+  acc = _core.Accumulator(total, sums[SUM["weight"]], state.mini_step, jnp.zeros((), jnp.int32))
+  result = _core.result(acc, total, kinds)
+  held = state.mini_step > 0
+  return _layout.tree_of(jax.tree.map(lambda x: jnp.where(held, x, jnp.zeros((), x.dtype)), result))
 
 
 # Optax wrappers that may reject a call's whole new inner state: around accumulate,
@@ -117,8 +205,31 @@ def _check_not_gated(state: Any, caller: str) -> None:
           " e.g. accumulate(optax.apply_if_finite(inner, 5), every_k).")
 
 
+def _check_nothing_after(state: Any, caller: str) -> None:
+  """Refuses an accumulate state followed by other transformations in an
+  ``optax.chain`` (a tuple of states): they would run on every call."""
+  paths = [path for path, x in jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_state)[0]
+           if _is_state(x)]
+  for path in paths:
+    node = state
+    for key in path:
+      if type(node) is tuple and isinstance(key, jax.tree_util.SequenceKey) and (
+          key.idx < len(node) - 1):
+        after = ", ".join(type(x).__name__ for x in node[key.idx + 1:])
+        raise ValueError(
+            f"{caller} found the accum_jax.accumulate state followed in an optax.chain by"
+            f" other transformations' states ({after}): those run on every call, on the"
+            " zeros of a call that only adds as much as on the window's update (weight"
+            " decay would decay the parameters at every microbatch). Put them inside:"
+            " accumulate(optax.chain(inner, ...), every_k), so that they run once per"
+            " window.")
+      node = node[key.idx] if isinstance(key, jax.tree_util.SequenceKey) else (
+          node[key.key] if isinstance(key, jax.tree_util.DictKey) else getattr(node, key.name))
+
+
 def find_state(state: Any, caller: str) -> AccumulationState:
   _check_not_gated(state, caller)
+  _check_nothing_after(state, caller)
   found = [x for x in jax.tree.leaves(state, is_leaf=_is_state) if _is_state(x)]
   multisteps = [x for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, _MULTISTEPS))
                 if isinstance(x, _MULTISTEPS)]

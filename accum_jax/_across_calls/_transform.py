@@ -3,10 +3,9 @@
 :func:`accumulate`'s ``update`` is a short composition of the steps below::
 
   options = _make_options(...)                  # once, when it is built
-  call = _bind(options, grads, state, ...)      # per call: checks, window arguments
+  call = _bind(options, grads, state, ...)      # per call: checks, the gradient packed
   window = _add(options, call, state)           # the call into the window; does it end?
-  inner = _step_inner(options, call, state, window)
-                                                # the inner update, on emitting calls only
+  inner = _host_apply(...) or _device_step(...) # the inner update, on emitting calls only
   return inner.updates, _next_state(...)        # counters advanced, the window closed
 
 Who decides that a window ends: the host, with ``apply=`` a Python bool (two
@@ -14,8 +13,12 @@ compiled programs: ``False`` only adds, with nothing of the inner optimizer in i
 ``True`` adds and applies, with no conditional), or the device, with ``apply``
 left out (``every_k`` and ``flush``, the inner update under a conditional).
 
-The state and its readers are in ``_state``, the window lengths in ``_schedules``,
-the checks of one call's arguments in ``_update_args``.
+A window that ends writes nothing into its sum's buffers: its call count restarts,
+and the next call adds to zeros (``_core.add``); zeros written at the end would
+cost the applying call a copy of the sum. The state and its readers are in
+``_state``, its layout in ``_layout``, the window lengths in ``_schedules``, the
+checks of one call's arguments in ``_update_args``, the gradient-noise fields in
+``_noise_fields``.
 """
 
 from __future__ import annotations
@@ -28,14 +31,10 @@ import jax.numpy as jnp
 import optax
 
 from accum_jax import _arguments, _core, _noise
-from accum_jax._across_calls import _inner_checks, _inner_state, _update_args
-from accum_jax._across_calls._schedules import (
-  ConstantEveryK,
-  EveryKSchedule,
-  WindowSchedule,
-  check_every_k,
-)
-from accum_jax._across_calls._state import AccumulationState
+from accum_jax._across_calls import _inner_checks, _inner_state, _layout, _noise_fields
+from accum_jax._across_calls import _update_args as _args
+from accum_jax._across_calls._schedules import EveryKSchedule, WindowSchedule, check_every_k
+from accum_jax._across_calls._state import COUNT, COUNTS, SUM, SUMS, AccumulationState, Reductions
 
 
 class ShouldSkipUpdateFunction(Protocol):
@@ -47,27 +46,7 @@ class ShouldSkipUpdateFunction(Protocol):
     ...
 
 
-def _cast_like(new: Any, old: Any) -> Any:
-  # Some optimizers return state leaves with wider or weak dtypes than init
-  # made; both branches of the conditional must agree.
-  return jax.tree.map(
-      lambda n, o: jax.lax.convert_element_type(n, jnp.result_type(o)), new, old
-  )
-
-
-def _counters_restarted(done: jax.Array, acc: _core.Accumulator) -> _core.Accumulator:
-  """``acc``'s weight and count restarted where ``done`` (its sum and skip count kept)."""
-  return acc._replace(weight=jnp.where(done, 0.0, acc.weight), count=jnp.where(done, 0, acc.count))
-
-
-def _restart_where(done: jax.Array, acc: _core.Accumulator) -> _core.Accumulator:
-  """``acc`` emptied where ``done`` (its skip count kept): a select, no copy."""
-  return _counters_restarted(done, acc)._replace(total=_emptied_where(done, acc.total))
-
-
-def _no_skip(updates: Any, gradient_step: jax.Array, params: Any):
-  del updates, gradient_step, params
-  return jnp.array(False), ()
+LAYOUTS = ("auto", "packed", "tree")
 
 
 class _Options(NamedTuple):
@@ -81,15 +60,16 @@ class _Options(NamedTuple):
   value_reduction: str  # of `value`: "sum" where reduction is "sum", else "mean"
   accumulator_dtype: Any
   on_nonfinite: str  # one of _update_args.ON_NONFINITE
-  skip_fn: ShouldSkipUpdateFunction
-  pack_inner_state: bool  # the inner state kept as one vector per dtype (_inner_state)
+  skip_fn: ShouldSkipUpdateFunction | None
+  layout: str  # one of LAYOUTS
 
 
 class _Call(NamedTuple):
   """The arguments of one ``update``, checked."""
 
   grads: Any
-  kinds: tuple[str, ...]  # how each gradient leaf combines (_core.per_leaf)
+  packed: Any  # the gradient in the window's layout (the tree itself for layout="tree")
+  kinds: list[str]  # how each buffer of the window combines (_core.per_leaf)
   params: Any
   weight: Any  # a scalar, or None: the call weighs 1
   flush: jax.Array  # shape=(), dtype=bool
@@ -102,13 +82,14 @@ class _Call(NamedTuple):
 class _Window(NamedTuple):
   """The window with this call added, and what becomes of it."""
 
-  accumulator: _core.Accumulator  # with this call (if kept)
+  accumulator: _core.Accumulator  # with this call (if kept); num_skipped: this call's
   kept: jax.Array  # shape=(), dtype=bool: this call was added
+  counts: dict[str, Any]  # this call's additions to the state's counters
   skip_state: Any  # what should_skip_update_fn reported
-  value_accumulator: _core.Accumulator  # the window's `value`s, likewise
+  value_accumulator: _core.Accumulator | None  # the window's `value`s, None without
   noise: Any  # the window's noise sums, () without gradient noise
   done: jax.Array  # shape=(), dtype=bool: the window ends with this call
-  apply: jax.Array  # shape=(), dtype=bool: ... and the inner optimizer runs on it
+  apply: Any  # bool: ... and the inner optimizer runs on it (a Python bool where surely)
 
 
 class _Inner(NamedTuple):
@@ -117,16 +98,13 @@ class _Inner(NamedTuple):
   updates: Any  # zeros unless applied
   state: Any  # the inner optimizer's state after this call
   last_noise: Any  # the last applied window's GradientNoise, () without gradient noise
-  # shape=(), dtype=bool: the window was applied: it ended, held weight, and (with
-  # on_nonfinite="skip_window") its sums were finite. A Python bool where the host decided.
-  applied: Any
-  # The accumulator's sum after the call: the window's, or zeros where it ended.
-  total: Any
+  applied: Any  # bool: the window was applied (a Python bool where the host decided)
+  total: Any = None  # the window's total after the call; None: the sum with this call
 
 
 def _make_options(
     inner, every_k, *, reduction, accumulator_dtype, on_nonfinite, should_skip_update_fn,
-    every_k_name, gradient_noise, pack_inner_state=False,
+    every_k_name, gradient_noise, layout,
 ) -> _Options:
   by_noise = every_k if isinstance(every_k, _noise.NoiseScaleSchedule) else None
   schedule = None if by_noise else check_every_k(every_k, every_k_name)
@@ -139,10 +117,9 @@ def _make_options(
       reduction=reduction,
       value_reduction="sum" if reduction == "sum" else "mean",
       accumulator_dtype=_core.canonicalize_accumulator_dtype(accumulator_dtype),
-      on_nonfinite=_arguments.check_on_nonfinite(
-          on_nonfinite, _update_args.ON_NONFINITE, "accumulate"),
-      skip_fn=should_skip_update_fn or _no_skip,
-      pack_inner_state=_update_args.check_flag(pack_inner_state, "pack_inner_state"),
+      on_nonfinite=_arguments.check_on_nonfinite(on_nonfinite, _args.ON_NONFINITE, "accumulate"),
+      skip_fn=should_skip_update_fn,
+      layout=_args.check_layout(layout, LAYOUTS),
   )
 
 
@@ -150,117 +127,143 @@ def _init(options: _Options, params: Any) -> AccumulationState:
   """An empty window, and the inner optimizer's initial state."""
   # optax.lookahead takes LookaheadParams, and gradients of the fast ones.
   grads_like = params.fast if isinstance(params, optax.LookaheadParams) else params
-  zeros = jax.tree.map(jnp.zeros_like, grads_like)
-  _, skip_state = options.skip_fn(zeros, jnp.zeros((), jnp.int32), params)
+  skip_state = ()
+  if options.skip_fn is not None:
+    zeros = jax.tree.map(jnp.zeros_like, grads_like)
+    _, skip_state = options.skip_fn(zeros, jnp.zeros((), jnp.int32), params)
   inner_state = options.inner.init(params)
   # A noise transformation inside must see the window's sum, and optax's DP
   # aggregate cannot run here at all (it needs per-example gradients).
   _inner_checks.check_inner(inner_state, options.reduction)
+  packed = _args.packs(options.layout, params)
+  kinds = _arguments.grad_reductions(options.reduction, grads_like, "reduction")
   return AccumulationState(
-      accumulator=_empty_window(options, grads_like),
-      optimizer_step=jnp.zeros((), jnp.int32),
-      inner_opt_state=_inner_state.stored(_inner_state.sharded_like(inner_state, params), params,
-                                           pack=options.pack_inner_state),
-      last_updated=jnp.array(False),
-      num_empty_windows=jnp.zeros((), jnp.int32),
-      value_accumulator=_core.init(jnp.zeros((), jnp.float32), jnp.float32),
-      window_value=jnp.zeros((), jnp.float32),
+      window_total=_empty_window(options, grads_like, kinds, packed),
+      inner_opt_state=_inner_state.stored(inner_state, params, packed=packed),
+      counts=jnp.zeros(len(COUNTS), jnp.int32),
+      sums=jnp.zeros(len(SUMS), jnp.float32),
       skip_state=skip_state,
-      **_init_noise(options.track_noise, options.by_noise),
+      **_noise_fields.init(options.track_noise, options.by_noise),
       every_k=WindowSchedule(options.schedule),
+      reductions=Reductions(tuple(kinds)),
   )
 
 
-def _empty_window(options: _Options, grads_like: Any) -> _core.Accumulator:
-  """The empty accumulator, of the gradient's tree."""
-  return _core.init(grads_like, options.accumulator_dtype, _kinds(options, grads_like))
-
-
-def _kinds(options: _Options, grads: Any) -> tuple[str, ...]:
-  """How each leaf of ``grads`` combines: ``reduction`` per leaf, Flax's FP8
-  statistics "max" by default (see ``_arguments.grad_reductions``)."""
-  return _arguments.grad_reductions(options.reduction, grads, "reduction")
+def _empty_window(options: _Options, grads_like: Any, kinds: list[str], packed: bool) -> Any:
+  """The window's total, empty: zeros of the gradient's tree, or of its buckets."""
+  if not packed:
+    return _core.init(grads_like, options.accumulator_dtype, kinds).total
+  grads_like = _layout.unwrapped(grads_like)
+  layout = _layout.plan(grads_like, kinds)
+  leaves = jax.tree.leaves(grads_like)
+  dtypes = _layout.packed_keys(layout.slots, len(layout.sizes), [
+      jnp.result_type(x) if _core.is_statistic(k) else
+      _core.accumulator_dtype_for(jnp.result_type(x), options.accumulator_dtype)
+      for x, k in zip(leaves, kinds)])
+  # Placed with the parameters where they were placed on purpose (committed): an
+  # uncommitted state keeps a jitted step's first call in the cache of the next.
+  first = leaves[0] if leaves else None
+  committed = isinstance(first, jax.Array) and not isinstance(first, jax.core.Tracer) and (
+      first.committed)
+  device = first.sharding if committed else None
+  vectors = [jnp.zeros(n, d, device=device) for n, d in zip(layout.sizes, dtypes)]
+  kept = [_core.init_leaf(x, k, options.accumulator_dtype)
+          for x, k, s in zip(leaves, kinds, layout.slots) if s is None]
+  return _layout.packed_with(layout, vectors, kept)
 
 
 def _bind(options, grads, state, params, weight, flush, apply, extra_args) -> _Call:
-  """Checks one call's arguments (at trace time) and sorts its extra arguments."""
-  _update_args.check_tree_matches(grads, state.accumulator.total)
-  _update_args.check_weight(weight)
-  apply = _update_args.check_apply(apply, flush)
-  flush = _update_args.check_flush(flush)
+  """Checks one call's arguments (at trace time), packs the gradient and sorts its
+  extra arguments. A check runs where its argument is given."""
+  if extra_args:
+    _args.check_extra_args(extra_args)
+  if state.every_k.schedule != options.schedule:
+    _args.check_same_every_k(state.every_k.schedule, options.schedule)
+  total = state.window_total
+  packed = isinstance(total, _layout.Packed)
+  _args.check_tree_matches(grads, total.layout if packed else total)
+  if weight is not None:
+    _args.check_weight(weight)
+  apply = _args.check_apply(apply, flush)
   extra_args = dict(extra_args)
   value = extra_args.pop("value", None)
   if value is not None:
-    _update_args.check_value(value)
+    _args.check_value(value)
     value = jnp.asarray(value)
   return _Call(
-      grads=grads,
-      kinds=_kinds(options, grads),
-      params=params,
-      weight=weight,
-      flush=flush,
-      value=value,
+      grads=grads, packed=total.layout.pack(grads) if packed else grads,
+      kinds=list(total.layout.keys if packed else state.reductions.kinds),
+      params=params, weight=weight,
+      flush=jnp.array(False) if flush is False else _args.check_flush(flush), value=value,
       # A line search's gradient at `params` is the window's gradient.
       window_grad=extra_args.pop("grad", None) is not None,
-      extra_args=extra_args,
-      apply=apply,
+      extra_args=extra_args, apply=apply,
   )
 
 
 def _add(options: _Options, call: _Call, state: AccumulationState) -> _Window:
-  """This call into the window (unless skipped), and whether the window ends."""
-  should_skip, skip_state = options.skip_fn(call.grads, state.optimizer_step, call.params)
-  accept = ~jnp.asarray(should_skip, bool) & _within_window(options, call, state)
+  """This call into the window (unless left out), and whether the window ends."""
+  counts, sums = jnp.asarray(state.counts), jnp.asarray(state.sums)
+  accept, rejected, skip_state = True, False, state.skip_state
+  if options.skip_fn is not None:
+    should_skip, skip_state = options.skip_fn(call.grads, counts[COUNT["optimizer_step"]],
+                                              call.params)
+    rejected = jnp.asarray(should_skip, bool)
+    accept = ~rejected
   per_call = options.on_nonfinite == "skip_microbatch"
   if call.value is not None and per_call:
     # A NaN loss is bad data as much as a NaN gradient (and would poison the
     # window's mean loss): the call is skipped.
     accept = accept & jnp.isfinite(call.value)
-  accumulator, kept = _core.add(
-      state.accumulator, call.grads, call.weight, refuse_nonfinite=per_call, accept=accept,
-      kinds=call.kinds,
-  )
-  value_accumulator = state.value_accumulator
+  calls = counts[COUNT["mini_step"]]
+  zero = jnp.zeros((), jnp.int32)
+  view = _core.Accumulator(state.window_total, sums[SUM["weight"]], calls, zero)
+  accumulator, kept = _core.add(view, call.packed, call.weight, refuse_nonfinite=per_call,
+                                accept=accept, kinds=call.kinds)
+  value_accumulator = None
   if call.value is not None:
-    value_accumulator, _ = _core.add(
-        value_accumulator, call.value, call.weight, refuse_nonfinite=False, accept=kept
-    )
-  # Per call without weight=: B_simple is then counted in calls.
-  noise = (
-      _noise.add(
-          state.noise, _core.gradient_leaves(call.grads, call.kinds),
-          jnp.asarray(1.0 if call.weight is None else call.weight), kept,
-      )
-      if options.track_noise else ()
-  )
+    value_view = _core.Accumulator(
+        sums[SUM["value_total"]], sums[SUM["value_weight"]], calls, zero)
+    value_accumulator, _ = _core.add(value_view, call.value, call.weight,
+                                     refuse_nonfinite=False, accept=kept)
   if call.apply is None:
     done = (accumulator.count >= _window_length(options, state)) | call.flush
   else:
     done = jnp.array(call.apply)  # a constant: XLA folds what depends on it
+  can_leave_out = per_call or call.weight is not None or options.skip_fn is not None
   window = _Window(
-      accumulator, kept, skip_state, value_accumulator, noise, done,
-      apply=done if _never_empty(options, call) else done & (accumulator.weight > 0),
-  )
+      accumulator, kept,
+      _left_out(call, accumulator.num_skipped > 0, rejected) if can_leave_out else {},
+      skip_state, value_accumulator,
+      _noise_fields.add(state, call, kept) if options.track_noise else (),
+      done, apply=_applies(options, call, done, accumulator))
   return _drop_overflowing_sum(window, call) if "sum" in call.kinds else window
 
 
-def _never_empty(options: _Options, call: _Call) -> bool:
-  """Whether a window the host ends surely holds weight: each call counts 1 (no
-  ``weight=``) and none is refused (no per-call check, no skip function), so an
-  applying call's window holds at least itself. Then ``apply`` is the host's
-  constant, and XLA folds the selects that guard an empty window."""
-  return (call.apply is not None and call.weight is None and options.skip_fn is _no_skip
-          and options.on_nonfinite != "skip_microbatch")
+def _left_out(call: _Call, left_out: Any, rejected: Any) -> dict[str, Any]:
+  """Why this call was left out, counted by cause: a bad traced weight, a skip
+  function, or else non-finite data."""
+  counts: dict[str, Any] = {}
+  bad_weight: Any = False
+  if call.weight is not None:
+    w = jnp.asarray(call.weight, jnp.float32)
+    bad_weight = ~(jnp.isfinite(w) & (w >= 0))
+    counts["num_bad_weights"] = bad_weight
+  if rejected is not False:
+    counts["num_rejected"] = left_out & rejected & ~bad_weight
+  counts["num_skipped"] = left_out & ~bad_weight & ~rejected
+  return counts
 
 
-def _within_window(options: _Options, call: _Call, state: AccumulationState) -> Any:
-  """Where the host decides and ``every_k`` is an int: whether the window has room
-  for this call. A flag that lets a window run past ``every_k`` calls (not
-  :class:`accum_jax.HostSchedule`'s) has its extra calls refused and counted as
-  skipped, so that a window never holds more calls than ``every_k`` says."""
-  if call.apply is None or not isinstance(options.schedule, ConstantEveryK):
+def _applies(options: _Options, call: _Call, done: jax.Array, acc: _core.Accumulator) -> Any:
+  """Whether the inner optimizer runs on the window, if it ends: where it holds
+  weight. A Python True where the host ends a window that surely holds weight:
+  each call counts 1 (no ``weight=``) and none is left out (no per-call check, no
+  skip function), so an applying call's window holds at least itself."""
+  if (call.apply and call.weight is None and options.skip_fn is None
+      and options.on_nonfinite != "skip_microbatch"):
     return True
-  return state.accumulator.count < options.schedule.k
+  return done & (acc.weight > 0)
 
 
 def _window_length(options: _Options, state: AccumulationState) -> jax.Array:
@@ -272,172 +275,86 @@ def _window_length(options: _Options, state: AccumulationState) -> jax.Array:
 
 def _drop_overflowing_sum(window: _Window, call: _Call) -> _Window:
   """A float16 sum beyond 65504 would reach the inner optimizer as inf: the
-  window is dropped and its calls counted as skipped, like non-finite ones."""
+  window is dropped and its calls counted in ``num_overflowed``."""
   acc = window.accumulator
-  overflows = window.apply & ~_core.sum_fits(acc, call.grads, call.kinds)
-  return window._replace(
-      accumulator=acc._replace(
-          num_skipped=acc.num_skipped + jnp.where(overflows, acc.count, 0).astype(jnp.int32)
-      ),
-      apply=window.apply & ~overflows,
-  )
+  overflows = window.apply & ~_core.sum_fits(acc, call.packed, call.kinds)
+  counts = dict(window.counts, num_overflowed=jnp.where(overflows, acc.count, 0))
+  return window._replace(counts=counts, apply=window.apply & ~overflows)
 
 
-def _inner_update(options, call, inner_state, window, value_window):
+def _inner_update(options, call, inner_state, acc, value_window):
   """The inner optimizer's update on the window's gradient (and `value`)."""
-  grads = _core.result(window, call.grads, call.kinds)
+  grads = _core.result(acc, call.packed, call.kinds)
+  if isinstance(grads, _layout.Packed):
+    grads = grads.unpack(jax.tree.structure(call.grads))
   window_args = {}
-  if call.value is not None:
+  if value_window is not None:
     window_args["value"] = _core.result(value_window, call.value, options.value_reduction)
   if call.window_grad:
     window_args["grad"] = grads
   return options.inner.update(grads, inner_state, call.params, **call.extra_args, **window_args)
 
 
-def _held(update_shapes: Any, grads: Any, make: Any = None) -> Any:
-  """Values of the updates' shapes made outside the inner update: each gradient
-  leaf where it fits (cast if need be), else ``make(shape, leaf)`` (zeros by
-  default). Which values does not matter where a ``where`` makes them zeros after."""
-  shapes, treedef = jax.tree.flatten(update_shapes)
-  given = jax.tree.leaves(grads)
-  if len(given) != len(shapes):
-    given = [None] * len(shapes)
-
-  def held(x: jax.ShapeDtypeStruct, g: Any) -> jax.Array:
-    if make is not None:
-      return make(x, g)
-    if g is not None and jnp.shape(g) == x.shape:
-      return jnp.asarray(g).astype(x.dtype)
-    return _core.zeros_like(x)
-
-  return jax.tree.unflatten(treedef, [held(x, g) for x, g in zip(shapes, given)])
-
-
-def _constant_zeros(x: jax.ShapeDtypeStruct, g: Any) -> jax.Array:
-  """Zeros that XLA folds: ``params + 0`` in the caller's ``optax.apply_updates``
-  becomes ``params``, and donated parameters pass through untouched. A type that
-  carries an explicit sharding keeps it (``zeros_like`` of a constant folds too)."""
-  if g is not None and jnp.shape(g) == x.shape and _core.explicitly_sharded(g):
-    return jnp.zeros_like(g, x.dtype)
-  return jnp.zeros(x.shape, x.dtype)
-
-
-def _zero_unless(apply: jax.Array, updates: Any) -> Any:
-  """``updates`` where ``apply``, else zeros: a select that fuses with the add of
-  ``optax.apply_updates`` in the caller's step."""
-  return jax.tree.map(lambda u: jnp.where(apply, u, jnp.zeros((), u.dtype)), updates)
-
-
-def _window_finite(options, call, acc, value_window) -> jax.Array | None:
+def _window_finite(options, acc, value_window) -> Any:
   """With ``on_nonfinite="skip_window"``, whether the window's sums (and its
-  ``value``s) are finite: one check when the window is applied, none per call.
-  None where nothing is judged here."""
+  ``value``s) are finite: one reduction per buffer when the window is applied,
+  none per call. True where nothing is judged here."""
   if options.on_nonfinite != "skip_window":
-    return None
-  finite = _core.all_finite_packed(acc.total)
-  if call.value is not None:
+    return True
+  finite = _core.all_finite(acc.total)
+  if value_window is not None:
     finite = finite & jnp.isfinite(value_window.total)
   return finite
 
 
-def _emit(options, call, window, inner_state, acc, value_window, last_noise, carrier):
-  """The emitting call: the inner update on the window, kept only where the
-  window is applied (``window.apply``, and finite where it is judged here). The
-  updates come back in ``carrier``'s dtypes."""
-
-  def update(inner_state, last_noise):
-    del last_noise
-    tree = _inner_state.tree_of(inner_state)
-    new_updates, new_tree = _inner_update(options, call, tree, acc, value_window)
-    window_noise = _window_noise(window.noise, acc, call) if options.track_noise else ()
-    if isinstance(inner_state, _inner_state.Packed):
-      new_tree = _inner_state.repack(inner_state, new_tree)  # its leaves cast in place
-    else:
-      new_tree = _cast_like(new_tree, tree)
-    return _cast_like(new_updates, carrier), new_tree, window_noise
-
-  def refuse(inner_state, last_noise):
-    return carrier, inner_state, last_noise
-
-  finite = _window_finite(options, call, acc, value_window)
-  if finite is None and call.apply is None:
-    # Under the conditional this runs only where window.apply: nothing to judge.
-    return (*update(inner_state, last_noise), jnp.array(True))
-  applied = window.apply if finite is None else window.apply & finite
-  if call.apply is None:
-    # Inside the device schedule's conditional: a select of the inner state here
-    # would have XLA copy the state through the outer conditional on every call.
-    new = jax.lax.cond(applied, update, refuse, inner_state, last_noise)
+def _emit(options, call, window, stored):
+  """The inner update on the window: the updates, the inner state as stored, and the
+  window's noise (``()`` without gradient noise)."""
+  packed = isinstance(stored, _layout.Packed)
+  new_updates, new_tree = _inner_update(
+      options, call, stored.unpack() if packed else stored, window.accumulator,
+      window.value_accumulator)
+  if packed:
+    new_state = _inner_state.repack(stored, new_tree)  # its leaves cast in place
   else:
-    # The host's applying call: no conditional, a select that fuses with the update.
-    new = jax.tree.map(
-        lambda n, o: jnp.where(applied, n, o), update(inner_state, last_noise),
-        refuse(inner_state, last_noise))
-  return (*new, applied)
+    new_state = _cast_like(new_tree, stored)
+  noise = _noise_fields.window(window, call) if options.track_noise else ()
+  return new_updates, new_state, noise
 
 
-def _emptied(total: Any) -> Any:
-  """Zeros of ``total``'s leaves, each computed from its leaf, so that XLA writes
-  them in place of the window's buffers (a zero constant would be one shared
-  value, copied into each buffer)."""
+def _cast_like(new: Any, old: Any) -> Any:
+  # Some optimizers return state leaves with wider or weak dtypes than init
+  # made; the state keeps one type across calls.
   return jax.tree.map(
-      lambda t: jnp.where(jnp.isfinite(t), t - t, jnp.zeros((), t.dtype)), total)
+      lambda n, o: jax.lax.convert_element_type(n, jnp.result_type(o)), new, old)
 
 
-def _carrier(update_shapes: Any, held: Any, acc: _core.Accumulator) -> tuple[Any, bool]:
-  """What the device schedule's conditional takes and returns as the updates, and
-  whether it is the window's sum before this call.
+def _host_apply(options, call, state, window) -> _Inner:
+  """The host's applying call: the inner update with no conditional, kept where
+  the window is applied (a select that fuses with the update)."""
+  updates, inner_state, noise = _emit(options, call, window, state.inner_opt_state)
+  applied = window.apply & _window_finite(options, window.accumulator, window.value_accumulator)
+  if applied is True:
+    return _Inner(updates, inner_state, noise, True)
 
-  The branch that holds the window must pass it through untouched (XLA:GPU keeps
-  only such a conditional), and a value passed through is free only if nothing
-  reads it after: the parameters are read again by ``apply_updates`` (XLA copies
-  them into the branch), and so is a gradient taken in the same step, by the add
-  after the conditional. The window's sum before this call is free: where the
-  window holds, the add after the conditional reads it from the conditional's
-  output, and where it ends, the branch that ends it is its last reader, so the
-  updates can take its buffers. Where the updates do not fit it (another tree, or
-  a dtype the sum cannot hold exactly), ``held``: the gradient, cast.
-  """
-  total = acc.total
-  structure: Any = jax.tree.structure(total)
-  if structure == jax.tree.structure(update_shapes):
-    fits = all(
-        jnp.shape(t) == u.shape and jnp.promote_types(u.dtype, t.dtype) == t.dtype
-        for t, u in zip(jax.tree.leaves(total), jax.tree.leaves(update_shapes))
-    )
-    if fits:
-      return total, True
-  return held, False
+  def keep(new, old=0):  # 0: zero updates, a weak scalar taking the updates' dtype
+    return jnp.where(applied, new, old)
+
+  return _Inner(
+      jax.tree.map(keep, updates), jax.tree.map(keep, inner_state, state.inner_opt_state),
+      jax.tree.map(keep, noise, state.last_noise), applied)
 
 
-def _step_inner(options, call, state, window) -> _Inner:
-  """The updates, the inner state and the last window's noise, after this call:
-  decided by the host (:func:`_host_step`) or by the device (:func:`_device_step`)."""
-  # The shapes and dtypes of the inner update (an abstract trace; nothing is computed).
-  update_shapes, _ = jax.eval_shape(
-      functools.partial(_inner_update, options, call),
-      _inner_state.tree_of(state.inner_opt_state), window.accumulator, window.value_accumulator,
-  )
-  step = _device_step if call.apply is None else _host_step
-  return step(options, call, state, window, update_shapes)
+def _zero_updates(call: _Call) -> Any:
+  """The updates of a call that only adds: zeros that XLA folds (``params + 0`` in
+  the caller's ``optax.apply_updates`` becomes ``params``, and donated parameters
+  pass through untouched), of the updates' tree (``optax.lookahead``'s are of its
+  ``LookaheadParams``); a type that carries an explicit sharding keeps it.""" 
+  like = call.params if isinstance(call.params, optax.LookaheadParams) else call.grads
+  return jax.tree.map(jnp.zeros_like, like)
 
 
-def _host_step(options, call, state, window, update_shapes) -> _Inner:
-  """``apply=False``: constant zeros and the inner state as it is, with nothing of
-  the inner optimizer in the program. ``apply=True``: the inner update, with no
-  conditional, and the window emptied."""
-  total = window.accumulator.total
-  if not call.apply:
-    zeros = _held(update_shapes, call.grads, make=_constant_zeros)
-    return _Inner(zeros, state.inner_opt_state, state.last_noise, False, total)
-  updates, inner_state, last_noise, applied = _emit(
-      options, call, window, state.inner_opt_state, window.accumulator,
-      window.value_accumulator, state.last_noise, _held(update_shapes, call.grads))
-  return _Inner(_zero_unless(applied, updates), inner_state, last_noise, applied,
-                _emptied(total))
-
-
-def _device_step(options, call, state, window, update_shapes) -> _Inner:
+def _device_step(options, call, state, window) -> _Inner:
   """The inner update under a conditional that every backend keeps, so that it runs
   on the call that ends a window alone.
 
@@ -445,72 +362,109 @@ def _device_step(options, call, state, window, update_shapes) -> _Inner:
   operations (elementwise, broadcasts, reductions: Adam's whole update) by selects,
   and then runs both branches on every call; it keeps one whose other branch only
   passes its operands through (:func:`accum_jax.testing.gpu_conditionals` predicts
-  which). So the branch that skips the inner update returns its operands as they
-  are: the inner state, the last window's noise, and a value of the updates'
-  shapes (:func:`_carrier`); the zero updates are a ``where`` after the
-  conditional (:func:`_zero_unless`), and so is the window's sum, emptied where
-  the window ended (applied, or empty).
+  which). So the branch that holds returns its operands as they are: the inner
+  state, the last window's noise, the flag, and a carrier of the updates
+  (:func:`_carrier`).
   """
-  held = _held(update_shapes, call.grads)  # the updates' dtypes, as the caller gets them
-  carrier, is_sum = _carrier(update_shapes, held, window.accumulator)
+  update_shapes = jax.eval_shape(
+      lambda s: _emit(options, call, window, s)[0], state.inner_opt_state)
+  carrier, is_sum = _carrier(update_shapes, call, window.accumulator.total)
+  acc = window.accumulator
+  if is_sum:  # the sum comes in once, as the carrier: twice, XLA would copy it
+    acc = acc._replace(total=None)
 
-  def emit(inner_state, acc, value_window, last_noise, carrier, not_applied):
-    del not_applied
-    return _emit(options, call, window, inner_state, acc, value_window, last_noise, carrier)
+  def emit(stored, acc, value_window, last_noise, carrier, applied):
+    if is_sum:
+      acc = acc._replace(total=carrier)
+    branch = window._replace(accumulator=acc, value_accumulator=value_window)
 
-  def hold(inner_state, acc, value_window, last_noise, carrier, not_applied):
+    def update(stored, last_noise, carrier):
+      updates, new_state, noise = _emit(options, call, branch, stored)
+      return _cast_like(updates, carrier), new_state, noise
+
+    def refuse(stored, last_noise, carrier):
+      return carrier, stored, last_noise
+
+    finite = _window_finite(options, acc, value_window)
+    if finite is True:
+      return (*update(stored, last_noise, carrier), applied)
+    # A conditional, not a select: a select of the inner state here would have XLA
+    # copy it through the outer conditional on every call.
+    return (*jax.lax.cond(finite, update, refuse, stored, last_noise, carrier), applied & finite)
+
+  def hold(stored, acc, value_window, last_noise, carrier, applied):
     del acc, value_window
-    return carrier, inner_state, last_noise, not_applied
+    return carrier, stored, last_noise, applied
 
-  # `window.apply` (False where hold runs) passes through as the flag: a
-  # constant made in the branch would make XLA:GPU turn the conditional into selects.
-  out, inner_state, last_noise, applied = jax.lax.cond(
-      window.apply, emit, hold, state.inner_opt_state, window.accumulator,
-      window.value_accumulator, state.last_noise, carrier, window.apply)
-  updates = _zero_unless(applied, _cast_like(out, held))
-  # Where the inner update did not run, `out` is the sum, passed through; where it
-  # ran, the updates took the sum's buffers. Where the window ended, it is emptied.
-  total = _emptied_where(window.done, out if is_sum else window.accumulator.total)
-  return _Inner(updates, inner_state, last_noise, applied, total)
+  out, inner_state, noise, applied = jax.lax.cond(
+      window.apply, emit, hold, state.inner_opt_state, acc, window.value_accumulator,
+      state.last_noise, carrier, window.apply)
+  updates = jax.tree.map(lambda u, x: jnp.where(applied, u, jnp.zeros((), u.dtype)).astype(
+      x.dtype), out, update_shapes)
+  # Where the sum carried the updates, the state's next total is what came out: the
+  # sum where the window holds; the updates where it ended (not read: its count
+  # restarts).
+  return _Inner(updates, inner_state, noise, applied, out if is_sum else None)
 
 
-def _emptied_where(done: jax.Array, total: Any) -> Any:
-  return jax.tree.map(lambda t: jnp.where(done, jnp.zeros((), t.dtype), t), total)
+def _carrier(update_shapes: Any, call: _Call, total: Any) -> tuple[Any, bool]:
+  """What carries the updates through the device schedule's conditional, and whether
+  it is the window's sum. A value passed through is free only if nothing reads it
+  after. The window's sum kept as a tree is (the state's next total is what comes
+  out of the conditional), where its dtypes hold the updates exactly: the inner
+  update writes each leaf's update from that leaf's sum, in place. A packed sum is
+  read back through slices, not in place: there the gradient carries them, which is
+  added into the window before the conditional, so that its buffers (a gradient
+  taken in the step, or donated) can take the updates. Else zeros made outside."""
+  same_tree = jax.tree.structure(update_shapes) == jax.tree.structure(call.grads)
+  shapes = jax.tree.leaves(update_shapes)
+  if same_tree and not isinstance(total, _layout.Packed) and all(
+      jnp.promote_types(u.dtype, t.dtype) == t.dtype
+      for u, t in zip(shapes, jax.tree.leaves(total))):
+    return total, True
+  if same_tree and all(u.shape == jnp.shape(g) and u.dtype == jnp.result_type(g)
+                       for u, g in zip(shapes, jax.tree.leaves(call.grads))):
+    return call.grads, False
+  return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), update_shapes), False
 
 
 def _next_state(options, call, state, window, inner: _Inner) -> AccumulationState:
   """The state after this call: the window closed if it ended, counters advanced."""
+  acc = window.accumulator
   applied = jnp.asarray(inner.applied)
-  window_value = state.window_value
-  if call.value is not None:
-    window_value = jnp.where(
-        applied,
-        _core.result(window.value_accumulator, window_value, options.value_reduction),
-        window_value,
-    )
-  acc = window.accumulator._replace(total=inner.total)
-  # A window that ends with zero total weight holds nothing to apply (its
-  # sum is zero too); it restarts, and is counted.
-  empty_window = window.done & ~window.apply & (acc.count > 0) & (acc.weight == 0)
-  # A window refused when it was applied (not finite) counts its calls as skipped.
+  counts, sums = jnp.asarray(state.counts), jnp.asarray(state.sums)
+  # A window that ends with zero total weight holds nothing to apply (its sum is
+  # zero too); it restarts, and is counted. One refused when it was applied (not
+  # finite) counts its calls as skipped.
   refused = window.apply & ~applied
-  acc = acc._replace(num_skipped=acc.num_skipped + jnp.where(refused, acc.count, 0))
-  return AccumulationState(
-      accumulator=_counters_restarted(window.done, acc),
-      optimizer_step=state.optimizer_step + applied.astype(jnp.int32),
+  added = dict(window.counts)
+  added["num_skipped"] = added.get("num_skipped", 0) + jnp.where(refused, acc.count, 0)
+  added["num_empty_windows"] = window.done & ~window.apply & (acc.count > 0) & (acc.weight == 0)
+  added["mini_step"] = jnp.where(window.done, 0, acc.count) - counts[COUNT["mini_step"]]
+  added["optimizer_step"] = applied
+  added["last_updated"] = applied.astype(jnp.int32) - counts[COUNT["last_updated"]]
+  deltas = []  # what this call adds to each counter, in one vector
+  for name in COUNTS:
+    deltas.append(jnp.asarray(added.get(name, 0), jnp.int32))
+  new_sums = {"weight": jnp.where(window.done, 0.0, acc.weight)}
+  if window.value_accumulator is not None:
+    value = window.value_accumulator
+    new_sums["value_total"] = value.total
+    new_sums["value_weight"] = jnp.where(window.done, 0.0, value.weight)
+    new_sums["window_value"] = jnp.where(
+        applied, _core.result(value, sums[0], options.value_reduction),
+        sums[SUM["window_value"]])
+  columns = []
+  for name in SUMS:
+    columns.append(jnp.asarray(new_sums.get(name, sums[SUM[name]]), jnp.float32))
+  return state._replace(
+      window_total=acc.total if inner.total is None else inner.total,
       inner_opt_state=inner.state,
-      last_updated=applied,
-      num_empty_windows=state.num_empty_windows + empty_window.astype(jnp.int32),
-      # Untouched (no work, nothing compiled) when no value is passed.
-      value_accumulator=(
-          state.value_accumulator
-          if call.value is None
-          else _restart_where(window.done, window.value_accumulator)
-      ),
-      window_value=window_value,
+      counts=counts + jnp.stack(deltas),
+      sums=jnp.stack(columns),
       skip_state=window.skip_state,
-      **_next_noise(state, window, applied, inner.last_noise, options.by_noise),
-      every_k=state.every_k,
+      **(_noise_fields.next(state, window, applied, inner.last_noise, options.by_noise)
+         if options.track_noise else {}),
   )
 
 
@@ -524,13 +478,12 @@ def _accumulate(
     should_skip_update_fn: ShouldSkipUpdateFunction | None = None,
     every_k_name: str = "every_k",
     gradient_noise: bool = False,
-    pack_inner_state: bool = False,
+    layout: str = "auto",
 ) -> optax.GradientTransformationExtraArgs:
   options = _make_options(
       inner, every_k, reduction=reduction, accumulator_dtype=accumulator_dtype,
       on_nonfinite=on_nonfinite, should_skip_update_fn=should_skip_update_fn,
-      every_k_name=every_k_name, gradient_noise=gradient_noise,
-      pack_inner_state=pack_inner_state,
+      every_k_name=every_k_name, gradient_noise=gradient_noise, layout=layout,
   )
 
   def init_fn(params):
@@ -541,62 +494,22 @@ def _accumulate(
   ):
     call = _bind(options, updates, state, params, weight, flush, apply, extra_args)
     window = _add(options, call, state)
-    inner = _step_inner(options, call, state, window)
+    if call.apply is False:
+      inner = _Inner(_zero_updates(call), state.inner_opt_state, state.last_noise, False)
+    elif call.apply:
+      inner = _host_apply(options, call, state, window)
+    else:
+      inner = _device_step(options, call, state, window)
     return inner.updates, _next_state(options, call, state, window, inner)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _init_noise(track_noise: bool, by_noise: _noise.NoiseScaleSchedule | None) -> dict[str, Any]:
-  """The noise fields of a new state (empty without gradient_noise)."""
-  if not track_noise:
-    return {}
-  nan = jnp.full((), jnp.nan, jnp.float32)
-  fields: dict[str, Any] = {
-      "noise": _noise.zero_sums(), "last_noise": _noise.GradientNoise(nan, nan)
-  }
-  if by_noise:
-    fields["noise_ema"] = _noise.NoiseScaleEMA.create(by_noise.decay)
-    fields["window_length"] = jnp.asarray(by_noise.k_min, jnp.int32)
-  return fields
-
-
-def _window_noise(noise: Any, window: _core.Accumulator, call: _Call) -> Any:
-  """The window's GradientNoise, from its sums and its mean gradient's norm, read
-  off the accumulator (of the gradient leaves, "sum" ones as means: statistics
-  are left out)."""
-  totals = _core.gradient_leaves(window.total, call.kinds)
-  factor = 1.0 / jnp.where(window.weight > 0, window.weight, 1.0)
-  return _noise.estimate(noise, _noise.mean_squared_norm(totals, factor))
-
-
-def _next_noise(state, window, applied, last_noise, by_noise) -> dict[str, Any]:
-  """The noise fields after a call: emptied with the window, averaged when applied."""
-  if state.noise == ():
-    return {}
-  fields = {
-      "noise": jax.tree.map(
-          lambda x: jnp.where(window.done, jnp.zeros_like(x), x), window.noise
-      ),
-      "last_noise": last_noise,
-  }
-  if by_noise:
-    ema = jax.tree.map(
-        lambda new, old: jnp.where(applied, new, old),
-        state.noise_ema.update(last_noise),
-        state.noise_ema,
-    )
-    fields["noise_ema"] = ema
-    fields["window_length"] = jnp.where(
-        applied, by_noise.next_k(ema, state.window_length), state.window_length
-    )
-  return fields
-
-
 @_arguments.takes_options("accumulate", retired=("skip_nonfinite",), refused={
-    "layout": "the flat layout was removed: optax.flatten(inner) packs the inner"
-              " optimizer's state into one vector, which an H200 ran faster"
-              " (docs/guides/gpu.md); accumulate(optax.flatten(inner), every_k).",
+    "pack_inner_state": "it was replaced by layout=: layout='packed' keeps the"
+                        " accumulator and the inner optimizer's state in a few vectors (the"
+                        " default for parameters on one device), layout='tree' one buffer"
+                        " per leaf (the default for sharded parameters).",
 })
 def accumulate(
     inner: optax.GradientTransformation,
@@ -606,7 +519,7 @@ def accumulate(
     accumulator_dtype: Any = jnp.float32,
     on_nonfinite: str = "skip_window",
     gradient_noise: bool = False,
-    pack_inner_state: bool = False,
+    layout: str = "auto",
 ) -> optax.GradientTransformationExtraArgs:
   """Accumulates gradients over ``every_k`` calls, then runs ``inner`` once.
 
@@ -619,14 +532,14 @@ def accumulate(
 
   Args:
     inner: the optimizer to run on the accumulated gradient, any Optax
-      ``GradientTransformation`` or chain; a gate (``optax.apply_if_finite``)
-      goes inside: around ``accumulate`` it would shift or merge windows.
+      ``GradientTransformation`` or chain; a gate (``optax.apply_if_finite``),
+      weight decay and any other transformation that must act once per window go
+      inside: after ``accumulate`` in a chain they act on every call.
     every_k: calls per window, an int >= 1, or a schedule from the optimizer
       step to the number of calls (:func:`accum_jax.piecewise_every_k`,
-      :func:`accum_jax.noise.noise_scale_every_k`). The window's length under
-      either schedule: with an int, a window never holds more calls (a
-      hand-written ``apply=False`` past it is refused and counted in
-      ``num_skipped``).
+      :func:`accum_jax.noise.noise_scale_every_k`): what the device schedule and
+      :class:`accum_jax.HostSchedule` count. With ``apply=`` the host's flag
+      ends each window, whatever its length: no call is left out for it.
     reduction: how each leaf combines: ``"mean"`` (default), ``"sum"``,
       ``"max"`` or ``"last"``, a pytree prefix of them, or a callable ``(path,
       leaf)``, as in :func:`accum_jax.value_and_grad`; see
@@ -640,10 +553,13 @@ def accumulate(
       :func:`accum_jax.value_and_grad`'s (:doc:`/two_doors`).
     gradient_noise: estimate the gradient noise from the calls' gradients, read
       with :func:`accum_jax.noise.last_window`.
-    pack_inner_state: keep the inner state as one vector per dtype between
-      windows (``state.inner_opt_state.unpack()`` reads its tree): each buffer a
-      call passes costs the host its dispatch (:doc:`/guides/gpu`). No
-      arithmetic changes; for parameters on one device or replicated.
+    layout: how the state keeps the accumulator and the inner optimizer's state:
+      ``"packed"``, in a few vectors (each buffer a call passes costs the host
+      its dispatch: :doc:`/guides/gpu`); ``"tree"``, a buffer per leaf, sharded
+      like its parameter; ``"auto"`` (default): packed where JAX has one
+      device, tree where it has several (parameters may be sharded there, which
+      an ``init`` traced under ``jax.jit`` cannot tell). No arithmetic changes;
+      a checkpoint restores into its own layout (:doc:`/guides/checkpoints`).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose ``update(grads, state,
@@ -668,11 +584,6 @@ def accumulate(
     [-0.2 -0.2 -0.2] True
   """
   return _accumulate(
-      inner,
-      every_k,
-      reduction=reduction,
-      accumulator_dtype=accumulator_dtype,
-      on_nonfinite=on_nonfinite,
-      gradient_noise=gradient_noise,
-      pack_inner_state=pack_inner_state,
+      inner, every_k, reduction=reduction, accumulator_dtype=accumulator_dtype,
+      on_nonfinite=on_nonfinite, gradient_noise=gradient_noise, layout=layout,
   )

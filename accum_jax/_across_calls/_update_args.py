@@ -5,6 +5,7 @@ Each check runs at trace time and names the argument, the value and the fix.
 
 from __future__ import annotations
 
+import difflib
 import math
 from typing import Any
 
@@ -12,23 +13,31 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from accum_jax import _core
+from accum_jax import _arguments, _core
+from accum_jax._across_calls import _layout
 
 
 def check_tree_matches(grads: Any, like: Any) -> None:
+  """The gradients have the structure and shapes the state was made for: ``like`` is
+  that tree, or the :class:`_layout.Layout` of a packed window."""
   structure: Any = jax.tree.structure(grads)
-  expected: Any = jax.tree.structure(like)
+  if isinstance(like, _layout.Layout):
+    expected: Any = like.source
+    shapes = list(like.shapes)
+  else:
+    expected = jax.tree.structure(like)
+    shapes = [jnp.shape(t) for t in jax.tree.leaves(like)]
   if structure != expected:
     raise ValueError(
         f"The gradients' tree structure {structure} differs from the"
         f" parameters' given to init, {expected}. Pass gradients taken with"
         " respect to the same parameters (jax.grad of the params pytree)."
     )
-  for (path, g), t in zip(jax.tree.leaves_with_path(grads), jax.tree.leaves(like)):
-    if jnp.shape(g) != jnp.shape(t):
+  for (path, g), shape in zip(jax.tree.leaves_with_path(grads), shapes):
+    if jnp.shape(g) != shape:
       raise ValueError(
           f"The gradient at {jax.tree_util.keystr(path)} has shape"
-          f" {jnp.shape(g)} but the parameter has shape {jnp.shape(t)}. Pass"
+          f" {jnp.shape(g)} but the parameter has shape {shape}. Pass"
           " gradients with the parameters' shapes."
       )
 
@@ -39,16 +48,37 @@ def check_flag(value: Any, name: str) -> bool:
   return bool(value)
 
 
-def check_packable(params: Any) -> None:
-  """``pack_inner_state=True`` with parameters whose placement shows them sharded
-  over several devices: refused, since a packed vector cannot be sharded like them."""
-  for path, p in jax.tree.leaves_with_path(params):
-    if _core.is_sharded(p):
-      raise ValueError(
-          f"pack_inner_state=True keeps the inner optimizer's state as one vector per"
-          f" dtype, which cannot be sharded like the parameter at"
-          f" {jax.tree_util.keystr(path)}: pass pack_inner_state=False for sharded"
-          " parameters (their optimizer state then stays sharded like them).")
+def check_layout(layout: Any, layouts: tuple[str, ...]) -> str:
+  if layout == "flat":
+    raise ValueError(
+        "layout='flat' was removed: optax.flatten(inner) runs the inner optimizer on one"
+        " vector, for elementwise optimizers; layout='packed' (the default on one device)"
+        " keeps the state in a few vectors for any optimizer.")
+  if layout not in layouts:
+    raise ValueError(
+        f"layout={layout!r} is not one of {layouts}: 'packed' keeps the accumulator and the"
+        " inner optimizer's state in a few vectors, 'tree' a buffer per leaf, 'auto' (the"
+        " default) packed unless the parameters may be sharded.")
+  return layout
+
+
+def packs(layout: str, params: Any) -> bool:
+  """Whether ``init`` keeps the state packed: ``layout="packed"``, or ``"auto"`` where
+  there is one device. With several, ``"auto"`` keeps a tree: the parameters may be
+  sharded, an ``init`` traced under ``jax.jit`` cannot tell, and a state whose
+  layout followed what ``init`` saw would restore into another layout's target
+  (``jax.eval_shape(init)``). ``"packed"`` with a parameter placed over several
+  devices is refused: a vector cannot be sharded like it."""
+  if layout == "packed":
+    for path, p in jax.tree.leaves_with_path(params):
+      if _core.is_sharded(p):
+        raise ValueError(
+            "layout='packed' keeps the state in a few vectors, which cannot be sharded like"
+            f" the parameter at {jax.tree_util.keystr(path)}: pass layout='tree' (or leave"
+            " layout='auto') for sharded parameters, whose state then stays sharded like"
+            " them.")
+    return True
+  return layout == "auto" and jax.device_count() == 1
 
 
 def check_weight(weight: Any) -> None:
@@ -127,3 +157,36 @@ def check_apply(apply: Any, flush: Any) -> bool | None:
         f"flush={flush!r} with apply={apply}: with apply given, the host ends each"
         " window. Pass apply=True on the epoch's last call instead of flush=True.")
   return bool(apply)
+
+
+# The keywords of accumulate's update; a misspelt one would reach the inner
+# optimizer, which ignores keywords it does not take.
+OWN_KEYWORDS = ("apply", "flush", "weight")
+
+
+def check_extra_args(extra_args: Any) -> None:
+  """Refuses a keyword of ``update`` close to one of its own (``aplly=``): the inner
+  optimizer would ignore it, and the call would silently do something else."""
+  for name in extra_args:
+    close = difflib.get_close_matches(name, OWN_KEYWORDS, n=1, cutoff=0.75)
+    if close:
+      raise ValueError(
+          f"update got {name}={_arguments._shown(extra_args[name])}: did you mean"
+          f" {close[0]}=? accumulate's update takes {', '.join(OWN_KEYWORDS)} itself and"
+          " hands other keywords to the inner optimizer, which ignores those it does not"
+          " take.")
+
+
+def check_same_every_k(stored: Any, given: Any) -> None:
+  """The state was made by an accumulate with this ``every_k`` (static: at trace time)."""
+  if stored is not None and given is not None and stored != given:
+    raise ValueError(
+        f"This state was made by accumulate(every_k={_every_k_shown(stored)}) and is updated"
+        f" by accumulate(every_k={_every_k_shown(given)}): one state, one window length. Use"
+        " the same transformation for init and update; to change the length of a restored"
+        " run, restore into a target made by the new transformation's init (the open window"
+        " then ends at its next call if it already holds the new length).")
+
+
+def _every_k_shown(schedule: Any) -> str:
+  return str(schedule.k) if hasattr(schedule, "k") else repr(schedule)
