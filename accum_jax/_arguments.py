@@ -196,7 +196,8 @@ def takes_options(
 
     @functools.wraps(fun)
     def checked(*args: Any, **kwargs: Any) -> Any:
-      check_keywords(caller, kwargs, accepted, refusing, listed, retired)
+      if not kwargs.keys() <= accepted:  # a keyword it does not take: say which, and why
+        check_keywords(caller, kwargs, accepted, refusing, listed, retired)
       return fun(*args, **kwargs)
 
     if shown:
@@ -273,9 +274,10 @@ class _Group:
 
 def _overwritten(path: Any) -> bool:
   """Whether ``path`` goes through Flax's ``_overwrite_with_gradient`` collection."""
-  return any(
-      getattr(key, "key", getattr(key, "name", None)) == OVERWRITE_WITH_GRADIENT for key in path
-  )
+  for key in path:
+    if getattr(key, "key", getattr(key, "name", None)) == OVERWRITE_WITH_GRADIENT:
+      return True
+  return False
 
 
 def grad_reductions(spec: Any, grads: Any, option: str = "reduction") -> tuple[str, ...]:
@@ -291,7 +293,9 @@ def grad_reductions(spec: Any, grads: Any, option: str = "reduction") -> tuple[s
   statistics exact.
   """
   flat = jax.tree_util.tree_flatten_with_path(grads)[0]
-  if callable(spec):
+  if spec is None:  # the default: no spec to read, only where Flax's FP8 collection is
+    given = [(None, ())] * len(flat)
+  elif callable(spec):
     given = []
     for path, leaf in flat:
       kind = spec(path, leaf)

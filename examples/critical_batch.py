@@ -8,7 +8,8 @@ batch size past which a larger batch buys little (McCandlish et al. 2018). One s
 estimate is noisy; a :class:`accum_jax.noise.NoiseScaleEMA` averages both over steps and takes
 the ratio of the averages::
 
-  vg = accum_jax.value_and_grad(loss, n, gradient_noise=True, return_info=True)
+  vg = accum_jax.value_and_grad(loss, n, batch_argnums=(1, 2), gradient_noise=True,
+                                return_info=True)
   loss, grads, info = vg(params, x, y)
   ema = ema.update(info.gradient_noise)      # ema.simple_noise_scale: B_simple, in examples
 
@@ -113,7 +114,8 @@ def make_step(num_microbatches: int):
   # on_nonfinite="unchecked": nothing overflows in float32 here, so the step leaves out
   # the check of the sums after the loop (and the compile time it adds to each N).
   vg = accum_jax.value_and_grad(
-      loss_fn, num_microbatches, gradient_noise=True, return_info=True, on_nonfinite="unchecked"
+      loss_fn, num_microbatches, batch_argnums=(1, 2), gradient_noise=True, return_info=True,
+      on_nonfinite="unchecked",
   )
 
   @jax.jit

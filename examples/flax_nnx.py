@@ -124,7 +124,7 @@ def train_step(model, optimizer, metrics, rngs, batch, apply):
 
 # The same loss_fn and call as nnx.value_and_grad; model and rngs are threaded
 # through the microbatches, the batch (the only array argument) is split, and the
-# logits come back per example, in batch order ("concat"; the default averages).
+# logits come back per example, in batch order ("concat"; the default refuses them).
 microbatched_grad_fn = accum_jax.flax.nnx_value_and_grad(
     loss_fn, num_microbatches=EVERY_K, has_aux=True, aux_reduction="concat"
 )

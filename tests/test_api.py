@@ -36,6 +36,11 @@ RETIRED = {"grad_reduction", "pad_batch", "mesh", "data_axis", "param_sharding",
            "gather_dtype", "reduce_dtype", "split"}
 
 
+# The framework doors, which sort their arguments into graph nodes (or modules) and the rest.
+FRAMEWORK_DOORS = (accum_jax.flax.nnx_value_and_grad, accum_jax.flax.nnx_grad,
+                   accum_jax.equinox.filter_value_and_grad, accum_jax.equinox.filter_grad)
+
+
 def _keyword_parameters(fun) -> dict[str, inspect.Parameter]:
   kinds = (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
   return {name: p for name, p in inspect.signature(fun).parameters.items() if p.kind in kinds}
@@ -72,6 +77,10 @@ def test_an_idea_has_one_name_and_one_default_in_every_function(fun):
     default = _options.DEFAULTS[name]
     if fun is accum_jax.equinox.filter_value_and_grad and name == "rng_argnums":
       assert p.default == "auto"  # None folds no key here too; "auto" finds them
+    elif name == "batch_argnums" and fun in FRAMEWORK_DOORS and p.default is None:
+      # Their own rule, not value_and_grad's: None takes the arguments that hold
+      # no graph node or module. value_and_grad's default names the batch (1).
+      continue
     elif fun is accum_jax.accumulate and name in ("reduction", "on_nonfinite"):
       # The same values; the default reduction names "mean" itself, and the unit
       # skipped whole is the window across calls where it is the step inside one.

@@ -213,7 +213,8 @@ def test_several_differentiated_arguments_and_the_batch_in_two_arguments():
 
   params, batch = make_params(), make_batch()
   image_params, text_params = params["image"], dict(params["text"], log_t=params["log_t"])
-  vg = jax.jit(accum_jax.cached_value_and_grad(embed, loss, 4, argnums=(0, 1)))
+  vg = jax.jit(accum_jax.cached_value_and_grad(embed, loss, 4, argnums=(0, 1),
+                                               batch_argnums=(2, 3)))
   value, grads = vg(image_params, text_params, batch["x"], batch["y"])
   full_value, full_grads = jax.jit(jax.value_and_grad(
       lambda a, b, x, y: loss(a, b, embed(a, b, x, y), x, y), argnums=(0, 1)

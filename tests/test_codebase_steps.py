@@ -191,7 +191,8 @@ def test_a_summed_loss_with_grad_reduction_sum_gives_the_batch_s_sum_as_its_valu
   # With weights, the weighted sum, as the gradient is.
   weights = jnp.arange(1.0, N + 1.0)
   weighted = accum_jax.value_and_grad(
-      lambda w, x, i: loss(w, x), N, reduction="sum", weight_fn=lambda x, i: weights[i[0]])
+      lambda w, x, i: loss(w, x), N, batch_argnums=(1, 2), reduction="sum",
+      weight_fn=lambda x, i: weights[i[0]])
   value, grads = jax.jit(weighted)(w, x, jnp.arange(B) // (B // N))
   parts = [jax.value_and_grad(loss)(w, x[k * 2:(k + 1) * 2]) for k in range(N)]
   tree_allclose((value, grads), jax.tree.map(
@@ -260,16 +261,18 @@ def _class_weighted(params, batch, class_weights):
   return jnp.mean((batch["x"] @ params) ** 2) * jnp.sum(class_weights)
 
 
-def test_an_argument_of_the_batch_s_length_beside_a_batch_pytree_is_refused_not_split():
+def test_an_argument_of_the_batch_s_length_beside_a_batch_pytree_is_passed_whole_by_default():
   params, batch = jnp.ones(3), {"x": jnp.asarray(normal(0, (B, 3)))}
   class_weights = jnp.arange(B, dtype=jnp.float32)  # B classes, by coincidence
-  with pytest.raises(ValueError, match=re.escape("Name the batch: batch_argnums=1")):
-    accum_jax.value_and_grad(_class_weighted, N)(params, batch, class_weights)
+  # batch_argnums=1 is the default: the class weights are passed whole, never split.
+  expected = jax.value_and_grad(_class_weighted)(params, batch, class_weights)
+  tree_allclose(accum_jax.value_and_grad(_class_weighted, N)(params, batch, class_weights),
+                expected)
   out = accum_jax.value_and_grad(_class_weighted, N, batch_argnums=1)(params, batch, class_weights)
-  tree_allclose(out, jax.value_and_grad(_class_weighted)(params, batch, class_weights))
-  # Bare arrays with a leading axis are all batch data, as before.
-  out = accum_jax.value_and_grad(lambda w, x, y: jnp.mean((x @ w - y) ** 2), N)(
-      params, batch["x"], class_weights)
+  tree_allclose(out, expected)
+  # Bare arrays with a leading axis are batch data where they are named.
+  out = accum_jax.value_and_grad(lambda w, x, y: jnp.mean((x @ w - y) ** 2), N,
+                                 batch_argnums=(1, 2))(params, batch["x"], class_weights)
   tree_allclose(out, jax.value_and_grad(lambda w, x, y: jnp.mean((x @ w - y) ** 2))(
       params, batch["x"], class_weights))
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 from typing import Any
 
 import jax
@@ -87,13 +88,13 @@ def loss_fn(params, batch):
       "logits": h,  # per example: "concat"
       "peak": jnp.max(h),  # "max"
       "seen": batch["x"][0, 0],  # "last"
-      "rows": jnp.sum(h, axis=1),  # per example, left to the default: "mean" all the same
+      "rows": jnp.sum(h, axis=1),  # per example too: "concat", the default refuses it
   }
   return loss, aux
 
 
 AUX_REDUCTION = {"loss": "mean", "balance": "sum", "logits": "concat", "peak": "max",
-                 "seen": "last", "rows": None}
+                 "seen": "last", "rows": "concat"}
 
 
 def weight_fn(batch):
@@ -125,8 +126,8 @@ def references(kept: tuple[int, ...] = KEPT) -> dict[str, Any]:
   rows = np.concatenate([np.arange(i * ROWS, (i + 1) * ROWS) for i in sorted(kept + EMPTY)])
   (loss, _), mean = _FULL(params, jax.tree.map(lambda x: x[rows], batch))
   tokens = sum(float(weight_fn(_microbatch(batch, i))) for i in kept)
-  logits = jnp.concatenate(
-      [jax.jit(loss_fn)(params, _microbatch(batch, i))[1]["logits"] for i in range(16)])
+  each = [jax.jit(loss_fn)(params, _microbatch(batch, i))[1] for i in range(16)]
+  logits = jnp.concatenate([aux["logits"] for aux in each])
   last = kept[-1]
   return {
       "loss": loss,
@@ -141,9 +142,7 @@ def references(kept: tuple[int, ...] = KEPT) -> dict[str, Any]:
           "logits": logits,
           "peak": max(per[i][1]["peak"] for i in kept),
           "seen": per[last][1]["seen"],
-          # The default never concatenates: a mean of the microbatches' rows, as the loss.
-          "rows": sum(float(weight_fn(_microbatch(batch, i))) * per[i][1]["rows"]
-                      for i in kept) / tokens,
+          "rows": jnp.concatenate([aux["rows"] for aux in each]),
       },
   }
 
@@ -223,6 +222,17 @@ def test_aux_reduced_per_leaf_as_the_pytree_says(layout):
   tree_allclose(aux, references(LAYOUTS[layout][2])["aux"])
 
 
+def test_a_per_example_leaf_left_at_the_default_is_refused_naming_concat():
+  # Averaged, the microbatches' rows would give a result that changes with their number.
+  vg = accum_jax.value_and_grad(
+      loss_fn, 16, has_aux=True, weight_fn=weight_fn, reduction=SPECS["pytree"][0],
+      aux_reduction=dict(AUX_REDUCTION, rows=None), on_nonfinite="skip_microbatch")
+  with pytest.raises(ValueError, match="^" + re.escape(
+      "The aux leaf ['rows'] has shape (4,) on a microbatch of 4 rows but (64,) on the whole"
+      " batch: its shape depends on the microbatches") + ".*aux_reduction='concat'"):
+    jax.jit(vg)(make_params(), make_batch())
+
+
 def test_a_string_keeps_the_fp8_collection_at_max_and_the_collection_named_overrides_it():
   # The statistic leaf placed where Flax puts FP8 statistics.
   def fp8_loss(variables, batch):
@@ -236,7 +246,8 @@ def test_a_string_keeps_the_fp8_collection_at_max_and_the_collection_named_overr
   for spec, stat_kind in (("sum", "max"), (None, "max"),
                           ({"params": "sum", "_overwrite_with_gradient": "last"}, "last")):
     vg = accum_jax.value_and_grad(fp8_loss, 16, has_aux=True, weight_fn=weight_fn,
-                                  reduction=spec, on_nonfinite="skip_microbatch")
+                                  reduction=spec, aux_reduction=AUX_REDUCTION,
+                                  on_nonfinite="skip_microbatch")
     _, grads = jax.jit(vg)(variables, batch)
     np.testing.assert_array_equal(grads["_overwrite_with_gradient"]["stat"], ref[stat_kind])
     tree_allclose(grads["params"]["w"], ref["mean" if spec is None else "sum"])

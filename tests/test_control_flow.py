@@ -95,8 +95,8 @@ OPTION_SETS = {
         "weight_fn": weight, "has_aux": True,
         "aux_reduction": {"per_example": "concat", "mean_err": "mean", "count": "sum"},
     }),
-    "state_argnums": (stateful_loss, {"state_argnums": 1, "has_aux": True}),
-    "rng_argnums": (dropout_loss, {"rng_argnums": 1}),
+    "state_argnums": (stateful_loss, {"state_argnums": 1, "batch_argnums": 2, "has_aux": True}),
+    "rng_argnums": (dropout_loss, {"rng_argnums": 1, "batch_argnums": 2}),
     "gradient_noise": (loss, {"gradient_noise": True, "return_info": True}),
     "reduction": (loss, {"reduction": {"w1": "mean", "b1": "sum", "w2": "max",
                                                  "b2": "last"}}),
@@ -160,7 +160,7 @@ def test_every_reduction_mode_loops_with_a_known_trip_count_and_nothing_inside(n
   num_microbatches = 2
   vg = accum_jax.value_and_grad(
       weighted_loss, num_microbatches, weight_fn=weight, has_aux=True, gradient_noise=True,
-      return_info=True,
+      return_info=True, aux_reduction={"per_example": "concat"},
       data_parallel=accum_jax.DataParallel(mesh, data_axis, **options),
   )
   check_step(compiled(vg, params(), batch()), num_microbatches)

@@ -41,10 +41,10 @@ def make_step(on_nonfinite, use_info, closed_over=False):
   def closing_over(loss_scale):  # the scale is not among the arguments
     return accum_jax.value_and_grad(
         lambda params, x, y: scaled_loss_fn(params, loss_scale, x, y), N,
-        on_nonfinite=on_nonfinite, return_info=True)
+        batch_argnums=(1, 2), on_nonfinite=on_nonfinite, return_info=True)
 
-  vg = accum_jax.value_and_grad(scaled_loss_fn, N, on_nonfinite=on_nonfinite,
-                                return_info=True)
+  vg = accum_jax.value_and_grad(scaled_loss_fn, N, batch_argnums=(2, 3),
+                                on_nonfinite=on_nonfinite, return_info=True)
 
   @jax.jit
   def train_step(params, loss_scale, x, y):

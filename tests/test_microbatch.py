@@ -6,6 +6,7 @@ jax.value_and_grad over the microbatches.
 """
 
 import functools
+import inspect
 import re
 
 import flax.linen as nn
@@ -291,6 +292,32 @@ def test_two_batch_arguments_are_split_together():
   params, batch = make_mlp_params(), make_batch()
   out = microbatched(inputs_targets_loss, 4, batch_argnums=(1, 2))(params, batch["x"], batch["y"])
   tree_allclose(out, reference(inputs_targets_loss)(params, batch["x"], batch["y"]))
+
+
+def class_weighted_loss(w, x, class_weight):
+  labels = x[:, 0].astype(jnp.int32)  # each row's class, in its first column
+  return jnp.mean(class_weight[labels] * (x[:, 1:] @ w - 1.0) ** 2)
+
+
+def test_an_argument_of_the_batchs_length_is_not_split_unless_named_as_the_batch():
+  # Per-class weights, as many classes as rows, beside bare inputs: batch_argnums=1
+  # by default, as optax.microbatching's, so the vector reaches every microbatch whole.
+  x = np.concatenate([np.arange(8.0)[:, None], np.arange(16.0).reshape(8, 2) / 16], 1)
+  w, class_weight = np.ones(2, np.float32), np.arange(1.0, 9.0, dtype=np.float32)
+  out = microbatched(class_weighted_loss, 2)(w, x.astype(np.float32), class_weight)
+  tree_allclose(out, reference(class_weighted_loss)(w, x.astype(np.float32), class_weight))
+
+
+def test_the_batch_argument_is_one_by_default_as_in_optax_microbatching():
+  default = inspect.signature(accum_jax.value_and_grad).parameters["batch_argnums"].default
+  assert default == 1
+
+
+def test_batch_argnums_none_is_refused_naming_the_arguments_to_split():
+  with pytest.raises(ValueError, match=re.escape(
+      "batch_argnums=None does not say which arguments are the batch, and they are not"
+      " guessed from shapes: name them, e.g. batch_argnums=1 (the default)")):
+    accum_jax.value_and_grad(inputs_targets_loss, 2, batch_argnums=None)
 
 
 def test_nested_pytree_batches_are_split_leaf_by_leaf():
@@ -728,7 +755,8 @@ def test_by_default_a_nan_gradient_under_a_finite_loss_skips_the_step_and_its_st
 
   bad = dict(batch, x=with_value(batch["x"], 3, np.nan))
   (value, (new_state, _)), grads, info = microbatched(
-      loss, 4, has_aux=True, state_argnums=1, return_info=True)(params, state, bad)
+      loss, 4, has_aux=True, batch_argnums=2, state_argnums=1, return_info=True
+  )(params, state, bad)
   assert np.isfinite(value) and bool(info.step_skipped)
   assert bool(np.all(info.loss_finite))  # the losses said nothing; the sums did
   assert all(np.isnan(g).all() for g in jax.tree.leaves(grads))

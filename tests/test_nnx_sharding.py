@@ -165,8 +165,9 @@ def test_the_tutorials_train_step_on_a_mesh_equals_one_device_and_keeps_the_anno
     if path in NAMES:  # Flax placed it; the others are wherever JAX put them
       assert param[...].sharding.spec == _expected_spec(path, param[...].ndim), path
 
+  # The logits are per example: they come back in batch order, as the reference's.
   grad_fn = accum_jax.flax.nnx_value_and_grad(
-      loss_fn, NUM_MICROBATCHES, has_aux=True,
+      loss_fn, NUM_MICROBATCHES, has_aux=True, aux_reduction="concat",
           data_parallel=accum_jax.DataParallel(mesh=mesh, data_axis="batch")
   )
   train_step = _train_step(grad_fn)
@@ -200,8 +201,9 @@ def test_the_tutorials_train_step_on_a_mesh_equals_one_device_and_keeps_the_anno
 def test_logical_names_without_their_rules_name_the_variable_and_the_fix():
   mesh = _mesh()
   model, _ = _create("logical_axis_rules", mesh)  # made with the rules in context
+  # The logits are per example: they come back in batch order, as the reference's.
   grad_fn = accum_jax.flax.nnx_value_and_grad(
-      loss_fn, NUM_MICROBATCHES, has_aux=True,
+      loss_fn, NUM_MICROBATCHES, has_aux=True, aux_reduction="concat",
           data_parallel=accum_jax.DataParallel(mesh=mesh, data_axis="batch")
   )
   batch = jax.device_put(_batches()[0], NamedSharding(mesh, P("batch", None)))

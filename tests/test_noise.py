@@ -54,7 +54,8 @@ def test_inside_a_step_the_estimates_are_unbiased(unequal):
   x, y, mask = make_batches(0)
   if not unequal:
     mask = np.ones_like(mask)
-  vg = accum_jax.value_and_grad(loss, N, weight_fn=lambda x, y, m: jnp.sum(m) if unequal else
+  vg = accum_jax.value_and_grad(loss, N, batch_argnums=(1, 2, 3),
+                                weight_fn=lambda x, y, m: jnp.sum(m) if unequal else
                                 jnp.float32(x.shape[0]), gradient_noise=True, return_info=True)
   grad_sq, trace_cov = mean_estimates(vg, x, y, mask)
   np.testing.assert_allclose(trace_cov, TRACE_COV, rtol=0.04)
@@ -63,7 +64,8 @@ def test_inside_a_step_the_estimates_are_unbiased(unequal):
 
 def test_without_weight_fn_a_microbatch_weighs_its_rows():
   x, y, mask = make_batches(1)
-  vg = accum_jax.value_and_grad(loss, N, gradient_noise=True, return_info=True)
+  vg = accum_jax.value_and_grad(loss, N, batch_argnums=(1, 2, 3),
+                                gradient_noise=True, return_info=True)
   grad_sq, trace_cov = mean_estimates(vg, x, y, np.ones_like(mask))
   np.testing.assert_allclose(trace_cov, TRACE_COV, rtol=0.04)  # per example, not per microbatch
   np.testing.assert_allclose(grad_sq, GRAD_SQ, rtol=0.04)
@@ -72,7 +74,8 @@ def test_without_weight_fn_a_microbatch_weighs_its_rows():
 def test_under_a_mesh_each_devices_part_is_a_small_batch():
   mesh = jax.make_mesh((8,), ("data",))
   x, y, mask = make_batches(2, steps=600)
-  vg = accum_jax.value_and_grad(loss, 2, weight_fn=lambda x, y, m: jnp.sum(m),
+  vg = accum_jax.value_and_grad(loss, 2, batch_argnums=(1, 2, 3),
+                                weight_fn=lambda x, y, m: jnp.sum(m),
       data_parallel=accum_jax.DataParallel(
           mesh=mesh, param_sharding=P()), gradient_noise=True, return_info=True)
   grad_sq, trace_cov = mean_estimates(vg, x, y, mask)  # K = 8 devices x 2 microbatches
@@ -95,7 +98,8 @@ def test_a_biased_estimator_fails_the_same_check(monkeypatch, broken):
       return _noise.GradientNoise(noise.grad_sq, noise.trace_cov * (k - 1) / k)
     monkeypatch.setattr(_noise, "estimate", uncorrected)
   x, y, mask = make_batches(0)
-  vg = accum_jax.value_and_grad(loss, N, weight_fn=lambda x, y, m: jnp.sum(m),
+  vg = accum_jax.value_and_grad(loss, N, batch_argnums=(1, 2, 3),
+                                weight_fn=lambda x, y, m: jnp.sum(m),
                                 gradient_noise=True, return_info=True)
   grad_sq, trace_cov = mean_estimates(vg, x, y, mask)
   assert abs(trace_cov / TRACE_COV - 1) > 0.04 or abs(grad_sq / GRAD_SQ - 1) > 0.04
@@ -235,7 +239,8 @@ def mixed_loss(p, x, y, mask):
 def test_one_steps_estimate_is_the_formula_on_the_small_batches_gradients():
   x, y, mask = (a[0] for a in make_batches(5, steps=1))
   params = mixed_params()
-  vg = accum_jax.value_and_grad(mixed_loss, N, weight_fn=lambda x, y, m: jnp.sum(m),
+  vg = accum_jax.value_and_grad(mixed_loss, N, batch_argnums=(1, 2, 3),
+                                weight_fn=lambda x, y, m: jnp.sum(m),
                                 gradient_noise=True, return_info=True)
   _, _, info = jax.jit(vg)(params, x, y, mask)
 
@@ -294,7 +299,8 @@ def test_the_estimate_costs_no_memory_beside_the_step():
   y = rng.standard_normal((512, 1)).astype(np.float32)
   temp = {}
   for noise in (False, True):
-    vg = accum_jax.value_and_grad(mlp, 4, gradient_noise=noise, return_info=True)
+    vg = accum_jax.value_and_grad(mlp, 4, batch_argnums=(1, 2),
+                                  gradient_noise=noise, return_info=True)
     temp[noise] = jax.jit(vg).lower(params, x, y).compile().memory_analysis().temp_size_in_bytes
   assert temp[True] - temp[False] < 4 * 256, temp  # a few scalars, not a 256 KiB leaf
 

@@ -12,7 +12,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import accum_jax
-from accum_jax._inside_step._parity import LeafDeviation, ParityReport, _default_rtol, check_parity
+from accum_jax._inside_step._diagnosis import _default_rtol
+from accum_jax._inside_step._parity import LeafDeviation, ParityReport, check_parity
 
 BATCH_SIZE = 8
 NUM_MICROBATCHES = 4

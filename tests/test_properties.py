@@ -8,6 +8,7 @@ float64 NumPy: the weighted mean of each window, then the inner optimizer writte
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -15,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from helpers import ATOL, RTOL, jit_traced_at_most, tree_allclose
 from hypothesis import Phase, example, given, settings
 from hypothesis import strategies as st
@@ -446,3 +448,33 @@ def test_what_value_and_grad_returns_has_the_full_batchs_shapes_at_every_split(
   )
   full = jax.eval_shape(jax.value_and_grad(loss, has_aux=True), w, x)
   assert _shapes(jax.eval_shape(vg, w, x)) == _shapes(full)
+
+
+@PROPERTY_SETTINGS
+@example(batch_size=16, num_microbatches=1, num_classes=4)
+@example(batch_size=16, num_microbatches=4, num_classes=16)
+@given(
+    batch_size=st.sampled_from(AUX_BATCH_SIZES),
+    num_microbatches=st.sampled_from(AUX_SPLITS),
+    num_classes=st.sampled_from((1, 2, 4, 8, 16)),
+)
+def test_a_per_example_aux_leaf_left_at_the_default_is_refused_never_returned_split(
+    batch_size, num_microbatches, num_classes
+):
+  # Every leaf at the default reduction. Whatever the split, what comes back has
+  # the full batch's shapes; a split that would give the per-example leaf the
+  # microbatch's shape is refused at trace time, naming the leaf and the fix.
+  loss = _loss_with_aux_of_every_shape(num_classes)
+  w = jax.ShapeDtypeStruct((3,), jnp.float32)
+  x = jax.ShapeDtypeStruct((batch_size, 3), jnp.float32)
+  vg = accum_jax.value_and_grad(loss, num_microbatches, has_aux=True)
+  full = jax.eval_shape(jax.value_and_grad(loss, has_aux=True), w, x)
+  if num_microbatches == 1:  # the microbatch is the whole batch
+    assert _shapes(jax.eval_shape(vg, w, x)) == _shapes(full)
+    return
+  rows = batch_size // num_microbatches
+  with pytest.raises(ValueError, match=re.escape(
+      f"The aux leaf ['per_example'] has shape ({rows},) on a microbatch of {rows} rows but"
+      f" ({batch_size},) on the whole batch")) as raised:
+    jax.eval_shape(vg, w, x)
+  assert "aux_reduction='concat'" in str(raised.value)

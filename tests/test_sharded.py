@@ -325,8 +325,8 @@ def test_gradient_noise_aux_and_state_do_not_depend_on_how_parameters_are_sharde
 
   def run(param_sharding):
     vg = accum_jax.value_and_grad(
-        fun, NUM_MICROBATCHES, has_aux=True, state_argnums=1, return_info=True,
-        gradient_noise=True,
+        fun, NUM_MICROBATCHES, has_aux=True, batch_argnums=2, state_argnums=1,
+        return_info=True, gradient_noise=True, aux_reduction={"loss": "mean", "rows": "concat"},
         data_parallel=accum_jax.DataParallel(mesh, data_axis, param_sharding=param_sharding),
     )
     return jax.jit(vg)(params, jnp.float32(0.0), batch)

@@ -290,7 +290,8 @@ def test_stacked_aux_is_refused_with_a_mesh_when_the_function_is_made():
     reason=("A JAX bug (docs/development.md): with the varying-axis checks on, a collective"
             " over a vmap axis name inside shard_map (the pmean of eqx.nn.BatchNorm) fails"
             " with a bare AssertionError in pvary, so accum_jax's shard_map keeps"
-            " check_vma=False; when this passes, turn the checks on in _sharding.map_devices"))
+            " check_vma=False; when this passes, turn the checks on in"
+            " _across_devices.map_devices"))
 def test_jax_checks_a_vmap_named_collective_inside_shard_map():
   def per_device(x):
     return jax.vmap(lambda y: jax.lax.pmean(jnp.mean(y), "batch"), axis_name="batch")(x)

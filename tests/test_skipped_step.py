@@ -75,7 +75,7 @@ def mse(w, x, y):
 
 @functools.cache
 def _optax_step(opt: optax.GradientTransformation):
-  vg = accum_jax.value_and_grad(mse, N, return_info=True)
+  vg = accum_jax.value_and_grad(mse, N, batch_argnums=(1, 2), return_info=True)
 
   @jax.jit
   def step(w, opt_state, x, y):
@@ -282,7 +282,7 @@ ACCUMULATE = accum_jax.accumulate(optax.adam(0.1), every_k=2)
 
 @jax.jit
 def _accumulate_call(w, opt_state, x, y):
-  _, grads = accum_jax.value_and_grad(mse, N)(w, x, y)
+  _, grads = accum_jax.value_and_grad(mse, N, batch_argnums=(1, 2))(w, x, y)
   updates, opt_state = ACCUMULATE.update(grads, opt_state, w)
   return optax.apply_updates(w, updates), opt_state
 

@@ -45,11 +45,14 @@ def _counting_loss(counter):
     {},
     {"on_nonfinite": "unchecked"},
     {"on_nonfinite": "skip_microbatch"},
-    {"weight_fn": lambda batch: jnp.sum(batch["w"]), "aux_reduction": {"steps": "sum"}},
+    {"weight_fn": lambda batch: jnp.sum(batch["w"]),
+     "aux_reduction": {"steps": "sum", "rows": "concat"}},
 ], ids=["default", "no skip", "per microbatch", "weights and aux"])
 def test_fun_is_traced_once_per_trace_of_the_step(options):
-  # The microbatch bind traces for its shapes is the one the loop calls.
+  # The microbatch bind traces for its shapes is the one the loop calls; the
+  # per-example "rows" is named "concat" (left at the default it is refused).
   traces: list[int] = []
+  options = {"aux_reduction": {"rows": "concat"}, **options}
   step = accum_jax.value_and_grad(_counting_loss(traces), N, has_aux=True, rng_argnums=2,
                                   **options)
   batch = {"x": jnp.ones((BATCH, WIDTH)), "w": jnp.ones(BATCH)}

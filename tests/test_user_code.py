@@ -55,13 +55,13 @@ def full_batch(fun, *args):
   return jax.value_and_grad(fun, has_aux=True)(*args)
 
 
-# Per-example aux: "concat", asked for (the default averages every leaf).
+# Per-example aux: "concat", asked for (the default refuses a leaf sized by the rows).
 
 
 @pytest.mark.parametrize("split", ["contiguous", "strided"])
 def test_per_example_aux_comes_back_in_batch_order(split):
   params, (x, y, _) = make_params(), make_data()
-  vg = accum_jax.value_and_grad(logits_loss, 4, has_aux=True,
+  vg = accum_jax.value_and_grad(logits_loss, 4, has_aux=True, batch_argnums=(1, 2),
       data_parallel=accum_jax.DataParallel(split=split), aux_reduction="concat")
   (loss, logits), grads = jax.jit(vg)(params, x, y)
   (expected_loss, expected_logits), expected_grads = full_batch(logits_loss, params, x, y)
@@ -76,7 +76,7 @@ def _padded(rows, *arrays):
 def test_per_example_aux_of_a_padded_batch_comes_back_in_batch_order():
   params, (x, y, mask) = make_params(), make_data(batch=14)  # 14 = 3 x 4 + 2
   vg = accum_jax.value_and_grad(masked_logits_loss, 4, has_aux=True, weight_fn=weight_of,
-                                aux_reduction={"logits": "concat"},
+                                batch_argnums=(1, 2, 3), aux_reduction={"logits": "concat"},
                                 data_parallel=accum_jax.DataParallel(split="strided"))
   (loss, aux), grads = jax.jit(vg)(params, *_padded(2, x, y, mask))
   expected = full_batch(masked_logits_loss, params, x, y, mask)
@@ -89,7 +89,7 @@ def test_per_example_aux_under_a_mesh_comes_back_in_batch_order():
   mesh = jax.make_mesh((4,), ("data",))
   params, (x, y, mask) = make_params(), make_data(batch=30)  # padded to 32
   vg = accum_jax.value_and_grad(masked_logits_loss, 2, has_aux=True, weight_fn=weight_of,
-                                aux_reduction={"logits": "concat"},
+                                batch_argnums=(1, 2, 3), aux_reduction={"logits": "concat"},
                                 data_parallel=accum_jax.DataParallel(mesh=mesh, param_sharding=P()))
   (loss, aux), grads = jax.jit(vg)(params, *_padded(2, x, y, mask))
   expected = full_batch(masked_logits_loss, params, x, y, mask)
@@ -100,7 +100,7 @@ def test_per_example_aux_under_a_mesh_comes_back_in_batch_order():
 
 def test_concat_of_an_aux_leaf_without_a_row_axis_is_refused():
   vg = accum_jax.value_and_grad(lambda p, x, y: (logits_loss(p, x, y)[0], jnp.ones(3)), 4,
-                                has_aux=True, aux_reduction="concat")
+                                has_aux=True, batch_argnums=(1, 2), aux_reduction="concat")
   with pytest.raises(ValueError, match=re.escape("has shape (3,), with no leading axis of the"
                                                  " microbatch's 4 rows")):
     vg(make_params(), *make_data()[:2])
@@ -115,8 +115,8 @@ def test_numpy_float64_and_int64_data_give_float32_results_without_a_warning():
   x = x.astype(np.float64)
   assert y.dtype == np.int64
   expected = full_batch(logits_loss, params, x, y)
-  out = jax.jit(accum_jax.value_and_grad(logits_loss, 4, has_aux=True, aux_reduction="concat"))(
-      params, x, y)
+  out = jax.jit(accum_jax.value_and_grad(logits_loss, 4, has_aux=True, batch_argnums=(1, 2),
+                                         aux_reduction="concat"))(params, x, y)
   assert jax.tree.map(lambda a: a.dtype, out[1]) == {"w": jnp.float32, "b": jnp.float32}
   tree_allclose(out, expected)
   grads = jax.tree.map(lambda g: np.asarray(g, np.float64), expected[1])
@@ -140,7 +140,8 @@ def test_integer_aux_is_summed_exactly_in_integers():
   # 20000001 in all: float32 has no such number (its spacing there is 2).
   counts = np.full((BATCH,), 1_250_000, np.int32)
   counts[0] += 1
-  vg = accum_jax.value_and_grad(counting_loss, 4, has_aux=True, aux_reduction="sum")
+  vg = accum_jax.value_and_grad(counting_loss, 4, has_aux=True, batch_argnums=(1, 2),
+                                aux_reduction="sum")
   (_, aux), _ = jax.jit(vg)(params, x, counts)
   assert aux["tokens"].dtype == jnp.int32
   assert int(aux["tokens"]) == int(counts.sum()) == 20_000_001
@@ -149,8 +150,8 @@ def test_integer_aux_is_summed_exactly_in_integers():
 def test_the_mean_of_integer_aux_is_a_float_not_truncated():
   params, (x, _, _) = make_params(), make_data()
   counts = np.repeat(np.array([1, 2, 2, 2], np.int32), BATCH // 4)
-  (_, aux), _ = jax.jit(accum_jax.value_and_grad(counting_loss, 4, has_aux=True))(
-      params, x, counts)
+  (_, aux), _ = jax.jit(accum_jax.value_and_grad(counting_loss, 4, has_aux=True,
+                                                 batch_argnums=(1, 2)))(params, x, counts)
   assert jnp.issubdtype(aux["mean_count"].dtype, jnp.floating)
   np.testing.assert_allclose(aux["mean_count"], 1.75)
 
@@ -158,23 +159,50 @@ def test_the_mean_of_integer_aux_is_a_float_not_truncated():
 # The batch arguments.
 
 
-def test_loss_of_params_x_y_splits_both_by_default():
+def test_loss_of_params_x_y_splits_both_once_named_and_argument_1_alone_by_default():
   params, (x, y, _) = make_params(), make_data()
-  out = jax.jit(accum_jax.value_and_grad(logits_loss, 4, has_aux=True, aux_reduction="concat"))(
-      params, x, y)
+  out = jax.jit(accum_jax.value_and_grad(logits_loss, 4, has_aux=True, batch_argnums=(1, 2),
+                                         aux_reduction="concat"))(params, x, y)
   tree_allclose(out, full_batch(logits_loss, params, x, y))
+  # The default is optax.microbatching's, batch_argnums=1: y is not split, so the
+  # microbatch's 4 rows of logits meet all 16 labels, which JAX refuses when it traces them.
+  default = accum_jax.value_and_grad(logits_loss, 4, has_aux=True, aux_reduction="concat")
+  with pytest.raises(ValueError, match="Incompatible shapes for broadcasting"):
+    jax.jit(default)(params, x, y)
 
 
-def test_arguments_found_as_batches_with_different_sizes_name_batch_argnums():
+def test_batch_argnums_none_is_refused_with_the_fix():
+  with pytest.raises(ValueError, match="^" + re.escape(
+      "batch_argnums=None does not say which arguments are the batch, and they are not"
+      " guessed from shapes: name them, e.g. batch_argnums=1 (the default) for"
+      " loss(params, batch), or batch_argnums=(1, 2) for loss(params, x, y).")):
+    accum_jax.value_and_grad(logits_loss, 4, has_aux=True, batch_argnums=None)
+
+
+def test_an_argument_left_out_of_batch_argnums_is_passed_whole_to_every_microbatch():
+  # A table with a leading axis of its own (5 rows, not the batch's 16) is not split
+  # by the default, batch_argnums=1; named as a batch, its size is refused.
   params, (x, _, _) = make_params(), make_data()
-  vg = accum_jax.value_and_grad(lambda p, x, table: jnp.mean(x @ p["w"]) + table.sum(), 4)
-  with pytest.raises(ValueError, match=re.escape("name the batch arguments with batch_argnums=")):
-    vg(params, x, np.ones((5, 2), np.float32))
+  table = np.arange(10, dtype=np.float32).reshape(5, 2)
+
+  def loss(p, x, table):
+    return jnp.mean(x @ p["w"]) + jnp.sum(table[:, 0] * jnp.mean(x))
+
+  out = jax.jit(accum_jax.value_and_grad(loss, 4))(params, x, table)
+  tree_allclose(out, jax.value_and_grad(loss)(params, x, table))
+  vg = accum_jax.value_and_grad(loss, 4, batch_argnums=(1, 2))
+  with pytest.raises(ValueError, match=re.escape(
+      "The batch arguments have different leading (batch) sizes (argument 1: 16, argument 2:"
+      " 5)")):
+    vg(params, x, table)
 
 
 def test_no_batch_among_the_arguments_is_refused_with_the_fix():
+  # The default names argument 1, here a scalar: it cannot be split.
   vg = accum_jax.value_and_grad(lambda p, scale: scale * jnp.sum(p["w"]), 4)
-  with pytest.raises(ValueError, match=re.escape("No batch to split")):
+  with pytest.raises(ValueError, match=re.escape(
+      "Argument 1 is a scalar, but batch_argnums names it: every leaf of a batch argument"
+      " needs a leading batch axis. Pass it as another argument, or give it a batch axis.")):
     vg(make_params(), 2.0)
 
 
@@ -232,7 +260,7 @@ def test_a_new_state_that_does_not_match_the_state_is_refused(returned, message)
     return returned(jnp.mean(x @ params["w"]), state + jnp.mean(x))
 
   params, (x, _, _) = make_params(), make_data()
-  vg = accum_jax.value_and_grad(loss, 4, has_aux=True, state_argnums=1)
+  vg = accum_jax.value_and_grad(loss, 4, has_aux=True, state_argnums=1, batch_argnums=2)
   with pytest.raises(ValueError, match=re.escape(message)):
     vg(params, np.zeros((2,), np.float32), x)
 

@@ -35,7 +35,15 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from accum_jax import _arguments, _core
-from accum_jax._inside_step import _batching, _call, _microbatch, _options, _sharding, _trace
+from accum_jax._inside_step import (
+    _across_devices,
+    _batching,
+    _call,
+    _microbatch,
+    _options,
+    _sharding,
+    _trace,
+)
 from accum_jax._inside_step._result import MicrobatchInfo
 
 # Options of value_and_grad that have no meaning here, and what to do instead.
@@ -123,7 +131,7 @@ class _Devices(NamedTuple):
       return merged._replace(total=self.own_shards(merged.total))
     # Every device adds the same number of chunks, so only the sums travel.
     if self.plan is not None and self.plan.sharded:
-      total = _sharding.reduce_grads(self.plan, acc.total)
+      total = _across_devices.reduce_grads(self.plan, acc.total)
     else:
       total = jax.lax.psum(acc.total, self.axis)
     return acc._replace(total=total, weight=acc.weight * self.num, count=acc.count * self.num)
@@ -233,7 +241,7 @@ def _pull_back(
       return embed_fn(*embed_args, **kwargs)
 
     _, pull = jax.vjp(embed, *diff)
-    grads = _sharding.scatter(devices.plan, pull(cotangent), acc.total)
+    grads = _across_devices.scatter(devices.plan, pull(cotangent), acc.total)
     # Every term enters the sum: dropping one would bias the gradient silently;
     # a non-finite step is judged as a whole in _finalise.
     acc, _ = _core.add(acc, grads, refuse_nonfinite=False)
@@ -283,7 +291,7 @@ def _step(embed_fn, loss_fn, options, call, kwargs, args, devices) -> Any:
   parameters, gathered for both passes: XLA would hoist a gather per chunk)."""
   shards = tuple(args[n] for n in options.argnums)
   full = list(args)
-  for n, x in zip(options.argnums, _sharding.gather(devices.plan, shards)):
+  for n, x in zip(options.argnums, _across_devices.gather(devices.plan, shards)):
     full[n] = x
   embeddings = _embed(embed_fn, options, call, full, kwargs, devices)
   loss = _loss(loss_fn, options, call, full, kwargs, embeddings, devices)
@@ -293,7 +301,7 @@ def _step(embed_fn, loss_fn, options, call, kwargs, args, devices) -> Any:
 
 def _data_parallel(step, args, *, batch_argnums, argnums, plan: _sharding.Plan, out_specs) -> Any:
   """``step`` on each device's rows of the batch, inside ``jax.shard_map``
-  (:func:`_sharding.map_devices`).
+  (:func:`_across_devices.map_devices`).
 
   The parameters enter as the plan says: replicated over the data axes, or this
   device's shard (gathered in the step, reduce-scattered back). Non-array
@@ -302,7 +310,7 @@ def _data_parallel(step, args, *, batch_argnums, argnums, plan: _sharding.Plan, 
   def per_device(args, shard_index):
     return step(args, _Devices(plan.axes, shard_index, plan.num_shards, plan))
 
-  return _sharding.map_devices(
+  return _across_devices.map_devices(
       per_device, args, batch_argnums=batch_argnums, param_argnums=argnums, plan=plan,
       out_specs=out_specs,
   )
@@ -382,7 +390,7 @@ def cached_value_and_grad(
     if call.mesh is None:
       return step(args, _ONE_DEVICE)
     plan = _plan(parsed, call)
-    grad_specs = _sharding.grad_specs(plan)
+    grad_specs = _across_devices.grad_specs(plan)
     out_specs = (P(), grad_specs[0] if parsed.single_argnum else grad_specs)
     return _data_parallel(
         step, args, batch_argnums=call.batch_argnums, argnums=parsed.argnums, plan=plan,

@@ -19,6 +19,7 @@ from typing import Any, overload
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from accum_jax import _arguments, _core
 from accum_jax._inside_step import _batching, _options, _sharding, _trace
@@ -39,11 +40,12 @@ class Bound:
   rows: int  # rows of one microbatch on one device
   grad_kinds: tuple[str, ...]  # how each gradient leaf combines; see `_arguments.grad_reductions`
   plan: Any  # the checked _sharding.Plan under a mesh, else None
+  diff: Any  # the differentiated arguments, structured as their gradient is
 
   def params(self, args: Sequence[Any] | None = None) -> Any:
     """The differentiated arguments (of ``args``, by default the call's),
     structured as their gradient is."""
-    return diff_args(self.options, self.args if args is None else args)
+    return self.diff if args is None else diff_args(self.options, args)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,50 +94,67 @@ def bind(
   trace cannot see as replicated (once per call, so once per trace under jit).
   """
   kwargs = kwargs or {}
-  batch = _checked_roles(options, args)
-  size = _batching.batch_size({n: args[n] for n in batch})
+  _check_args(options, args)
+  batch = {}
+  for n in options.batch_argnums:
+    batch[n] = args[n]
+  size = _batching.batch_size(batch)
   mesh, num_shards = None, 1
   axes: tuple[str, ...] = ()
   if options.data_parallel:
     mesh, axes = _sharding.resolve_mesh(options.mesh, options.data_axis)
     num_shards = _sharding.num_shards(mesh, axes)
-  _batching.check_divisible(size, options.num_microbatches, num_shards)
+  if size % (num_shards * options.num_microbatches):
+    _batching.check_divisible(size, options.num_microbatches, num_shards)
   rows = size // (num_shards * options.num_microbatches)
   params = diff_args(options, args)
   kinds = _arguments.grad_reductions(options.reduction, params)
   plan = None if mesh is None else _plan(options, mesh, axes, params, kinds)
-  call = Bound(options, tuple(args), kwargs, batch, size, mesh, axes, num_shards, rows, kinds,
-               plan)
+  call = Bound(options, tuple(args), kwargs, options.batch_argnums, size, mesh, axes,
+               num_shards, rows, kinds, plan, params)
   return call if grad_fun is None else traced(call, grad_fun)
 
 
 def traced(call: Bound, grad_fun: Callable[..., Any]) -> Call:
   """``call`` with one microbatch of ``grad_fun`` traced (:func:`_trace.trace`)."""
   fun = _trace.Fun(grad_fun, call.options, call.batch_argnums, call.kwargs)
-  params, plan = call.params(), call.plan
+  params, plan = call.diff, call.plan
   # The parameters as fun sees them: full-size, in the dtype they are gathered in.
   seen = params if plan is None else jax.tree.map(
       lambda x, leaf: _trace.abstract(x, plan.gather_dtype if leaf.gathers else None),
       params, jax.tree.unflatten(jax.tree.structure(params), plan.leaves),
   )
-  shapes, one = _trace.trace(fun, call.args, call.rows, seen, params, call.grad_kinds)
-  bound = {field.name: getattr(call, field.name) for field in dataclasses.fields(Bound)}
-  return Call(**bound, fun=fun, shapes=shapes, microbatch=one)
+  shapes, one = _trace.trace(fun, call.args, call.rows, seen, params, call.grad_kinds,
+                            call.batch_size)
+  return Call(**vars(call), fun=fun, shapes=shapes, microbatch=one)
 
 
-def _checked_roles(options: _options.Options, args: tuple[Any, ...]) -> tuple[int, ...]:
-  """The batch's argument numbers, with every argument's role checked."""
-  batch = _find_batch(options, args)
-  _check_in_range(options, batch, len(args))
-  if options.batch_argnums is None:
-    _options.check_unambiguous(batch, args)
-    _options.check_roles(
-        {f"{name}={nums}": nums for name, nums in options.roles(batch).items()}
-    )
-  _check_differentiable(options, args)
+def _check_args(options: _options.Options, args: tuple[Any, ...]) -> None:
+  """ValueError for an argument number past ``args``, a differentiated argument
+  that holds no array, or a key argument that holds no key."""
+  for role, nums in options.roles().items():
+    for n in nums:
+      if n >= len(args):
+        raise ValueError(
+            f"{role}={nums} names argument {n}, but the function was called with"
+            f" {len(args)} positional argument(s). Pass it positionally, or fix {role}."
+        )
+  for n in options.argnums:
+    for path, leaf in jax.tree.leaves_with_path(args[n]):
+      if not isinstance(leaf, _ARRAYS):
+        raise ValueError(
+            f"argnums={options.argnums} differentiates argument {n}, which holds"
+            f" {type(leaf).__name__} at {jax.tree_util.keystr(path) or 'its root'}, not an"
+            " array. For an Equinox module use accum_jax.equinox.filter_value_and_grad"
+            " (or eqx.partition the arrays out of it); for Flax NNX use"
+            " accum_jax.flax.nnx_value_and_grad."
+        )
   for n in options.rng_argnums:
     _check_keys(args[n], n)
-  return batch
+
+
+# What a differentiated argument's leaves may be: arrays, or Python numbers.
+_ARRAYS = (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct, int, float, complex)
 
 
 def _plan(options: _options.Options, mesh, axes, params, kinds) -> _sharding.Plan:
@@ -161,66 +180,6 @@ def _check_keys(keys: Any, argnum: int) -> None:
         f" {jnp.shape(bad) if _options.is_array(bad) else '?'}). Pass single keys such as"
         " jax.random.key(0), or drop it from rng_argnums."
     )
-
-
-def _find_batch(options: _options.Options, args: tuple[Any, ...]) -> tuple[int, ...]:
-  """``batch_argnums``, or when None every positional argument that looks like a batch."""
-  if options.batch_argnums is not None:
-    return options.batch_argnums
-  taken = {*options.argnums, *options.rng_argnums, *options.state_argnums}
-  found = tuple(
-      i for i, arg in enumerate(args) if i not in taken and _options.looks_like_batch(arg)
-  )
-  if not found:
-    roles = {name: nums for name, nums in options.roles().items() if nums}
-    others = " and ".join(f"{name}={nums}" for name, nums in roles.items())
-    raise ValueError(
-        f"No batch to split: none of the {len(args)} positional argument(s) other than"
-        f" {others} is a pytree of arrays with a leading batch axis.{_taken_batch(roles, args)}"
-        " Pass the batch positionally (keyword arguments are never split), or name it"
-        " with batch_argnums=."
-    )
-  return found
-
-
-_TAKEN_AS = {"rng_argnums": "a PRNG key", "state_argnums": "the threaded state"}
-
-
-def _taken_batch(roles: dict[str, tuple[int, ...]], args: tuple[Any, ...]) -> str:
-  """The sentence naming an argument that looks like the batch but another role took."""
-  for name, what in _TAKEN_AS.items():
-    for n in roles.get(name, ()):
-      if n < len(args) and _options.looks_like_batch(args[n]):
-        leaf = jax.tree.leaves(args[n])[0]
-        return (
-            f" {name}={roles[name]} takes argument {n}, which looks like a batch"
-            f" ({jnp.result_type(leaf)} of shape {jnp.shape(leaf)}), as {what}: if it is"
-            f" the batch, drop it from {name}."
-        )
-  return ""
-
-
-def _check_in_range(options: _options.Options, batch: tuple[int, ...], num_args: int) -> None:
-  for role, nums in options.roles(batch).items():
-    for n in nums:
-      if n >= num_args:
-        raise ValueError(
-            f"{role}={nums} names argument {n}, but the function was called with"
-            f" {num_args} positional argument(s). Pass it positionally, or fix {role}."
-        )
-
-
-def _check_differentiable(options: _options.Options, args: tuple[Any, ...]) -> None:
-  for n in options.argnums:
-    for path, leaf in jax.tree.leaves_with_path(args[n]):
-      if not _options.is_array(leaf) and not isinstance(leaf, (int, float, complex)):
-        raise ValueError(
-            f"argnums={options.argnums} differentiates argument {n}, which holds"
-            f" {type(leaf).__name__} at {jax.tree_util.keystr(path) or 'its root'}, not an"
-            " array. For an Equinox module use accum_jax.equinox.filter_value_and_grad"
-            " (or eqx.partition the arrays out of it); for Flax NNX use"
-            " accum_jax.flax.nnx_value_and_grad."
-        )
 
 
 def _check_plan(options: _options.Options, plan: Any, params: Any, kinds: Sequence[str]) -> None:

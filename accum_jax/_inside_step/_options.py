@@ -25,7 +25,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from accum_jax import _arguments, _core
-from accum_jax._inside_step import _batching, _sharding
+from accum_jax._inside_step import _batching
+
+# How sharded parameters are gathered (DataParallel(gather=...)); see _sharding.
+Gather = Literal["per_microbatch", "once"]
+GATHERS: tuple[str, ...] = ("per_microbatch", "once")
 
 AuxReduction = Literal["mean", "sum", "max", "last", "stack", "concat"]
 AUX_REDUCTIONS: tuple[str, ...] = ("mean", "sum", "max", "last", "stack", "concat")
@@ -39,7 +43,7 @@ class Options(NamedTuple):
   num_microbatches: int
   argnums: tuple[int, ...]
   single_argnum: bool  # argnums was an int: grads is one pytree, not a tuple
-  batch_argnums: tuple[int, ...] | None  # None: found per call, see `bind`
+  batch_argnums: tuple[int, ...]  # the arguments split; never guessed from shapes
   rng_argnums: tuple[int, ...]
   state_argnums: tuple[int, ...]  # at most one
   has_aux: bool
@@ -57,26 +61,15 @@ class Options(NamedTuple):
   reduce_dtype: Any
   return_info: bool
   gradient_noise: bool
-  gradient_dtype: Any = None  # None: each gradient leaf in its parameter's dtype
+  gradient_dtype: Any  # None: each gradient leaf in its parameter's dtype
+  # Read from on_nonfinite and the mesh once, here, so that no reader asks again.
+  checks_finite: bool  # NaN or Inf is looked for at all (anything but "unchecked")
+  propagates: bool  # on_nonfinite="propagate": one check after the loop, the gradient NaN
+  data_parallel: bool  # a mesh or a data axis is given
 
-  @property
-  def checks_finite(self) -> bool:
-    """Whether NaN or Inf is looked for at all (anything but "unchecked")."""
-    return self.on_nonfinite != "unchecked"
-
-  @property
-  def propagates(self) -> bool:
-    """on_nonfinite="propagate": one check after the loop, the step's gradient NaN."""
-    return self.on_nonfinite == "propagate"
-
-  @property
-  def data_parallel(self) -> bool:
-    return self.mesh is not None or self.data_axis is not None
-
-  def roles(self, batch_argnums: tuple[int, ...] | None = None) -> dict[str, tuple[int, ...]]:
+  def roles(self) -> dict[str, tuple[int, ...]]:
     """The argument numbers of each role, by option name."""
-    batch = self.batch_argnums if batch_argnums is None else batch_argnums
-    return {"argnums": self.argnums, "batch_argnums": batch or (),
+    return {"argnums": self.argnums, "batch_argnums": self.batch_argnums,
             "rng_argnums": self.rng_argnums, "state_argnums": self.state_argnums}
 
 
@@ -156,7 +149,7 @@ class DataParallel:
   mesh: jax.sharding.Mesh | None = None
   data_axis: str | tuple[str, ...] | None = None
   param_sharding: Any = None
-  gather: _sharding.Gather | None = None
+  gather: Gather | None = None
   gather_dtype: Any = None
   reduce_dtype: Any = None
   split: _batching.Split = "contiguous"
@@ -166,7 +159,7 @@ class DataParallel:
 # takes them under these names, checked by `make`.
 DEFAULTS: dict[str, Any] = {
     "argnums": 0,
-    "batch_argnums": None,
+    "batch_argnums": 1,
     "has_aux": False,
     "weight_fn": None,
     "rng_argnums": None,
@@ -181,15 +174,23 @@ DEFAULTS: dict[str, Any] = {
     "gradient_noise": False,
 }
 
-def _data_parallel(value: Any) -> DataParallel:
-  if value is None:
-    return DataParallel()
+def _data_parallel_fields(value: Any) -> dict[str, Any]:
+  """A :class:`DataParallel`, checked, as the fields of :class:`Options` it sets."""
   if not isinstance(value, DataParallel):
     raise ValueError(
         f"data_parallel={value!r} is not an accum_jax.DataParallel: pass e.g."
         " data_parallel=accum_jax.DataParallel(mesh, data_axis='data')."
     )
-  return value
+  fields = {
+      "mesh": value.mesh, "data_axis": value.data_axis, "param_sharding": value.param_sharding,
+      "gather": "per_microbatch" if value.gather is None else value.gather,
+      "gather_dtype": _transport_dtype(value.gather_dtype, "gather_dtype"),
+      "reduce_dtype": _transport_dtype(value.reduce_dtype, "reduce_dtype"),
+      "split": value.split,
+      "data_parallel": value.mesh is not None or value.data_axis is not None,
+  }
+  _check_sharding_options(fields)
+  return fields
 
 
 def make(
@@ -201,51 +202,129 @@ def make(
 ) -> Options:
   """Checks the options of ``value_and_grad`` (or of ``caller``, which refuses
   ``refused``: name -> why, with the fix), when the function is built; raises a
-  ValueError naming the bad one."""
-  refused = refused or {}
-  _arguments.check_keywords(caller, given, set(DEFAULTS) - set(refused), refused)
-  o = {**DEFAULTS, **given}
+  ValueError naming the bad one.
+
+  Options left at their defaults are valid by construction and are not looked
+  at again: a call that gives none enters no validator, and each given option
+  enters its own (:data:`_RESOLVE`), then the checks that relate it to others.
+  """
+  accepted = DEFAULTS.keys() - (refused or {}).keys()
+  if not given.keys() <= accepted:
+    _arguments.check_keywords(caller, given, accepted, refused)
   if (n := _core.positive_int(num_microbatches)) is None:
     raise ValueError(
         f"num_microbatches={num_microbatches!r} must be an int >= 1 that divides the"
         " batch size; use 1 for the whole batch at once."
     )
-  diff = argnums_tuple(o["argnums"], "argnums")
+  changed = {}
+  for name, value in given.items():
+    default = DEFAULTS[name]
+    if value is not default and not (type(value) is type(default) and value == default):
+      changed[name] = value
+  if not changed:
+    return PLAIN._replace(num_microbatches=n)
+  return _resolved(n, changed, caller)
+
+
+def _resolved(n: int, changed: dict[str, Any], caller: str) -> Options:
+  """The options with ``changed`` (those not at their defaults) resolved and checked."""
+  fields = PLAIN._asdict()
+  fields["num_microbatches"] = n
+  for name, value in changed.items():
+    fields.update(_RESOLVE[name](value, caller))
+  options = Options(**fields)
+  if changed.keys() & {"argnums", "batch_argnums", "rng_argnums", "state_argnums"}:
+    _check_roles(options.roles())
+  if changed.keys() & {"aux_reduction", "data_parallel"}:
+    _check_aux_reduction(options)
+  if options.gradient_noise and not options.return_info:
+    raise ValueError(
+        "gradient_noise=True needs return_info=True: the estimate comes back as"
+        " info.gradient_noise."
+    )
+  if options.state_argnums and not options.has_aux:
+    raise ValueError(
+        "state_argnums needs has_aux=True: fun must return (value, (new_state, aux))."
+    )
+  return options
+
+
+def _diff_argnums(value: Any) -> dict[str, Any]:
+  diff = argnums_tuple(value, "argnums")
   if not diff:
     raise ValueError("argnums=() differentiates nothing: name at least one argument.")
-  batch = (
-      None if o["batch_argnums"] is None else argnums_tuple(o["batch_argnums"], "batch_argnums")
-  )
-  if batch == ():
-    raise ValueError(
-        "batch_argnums=() names no batch: name the argument(s) to split, or leave it"
-        " None to split every positional array argument that is not differentiated."
-    )
-  state = argnums_tuple(o["state_argnums"], "state_argnums")
+  return {"argnums": diff, "single_argnum": isinstance(value, numbers.Integral)}
+
+
+def _state_argnums(value: Any) -> dict[str, Any]:
+  state = argnums_tuple(value, "state_argnums")
   if len(state) > 1:
     raise ValueError(
-        f"state_argnums={o['state_argnums']!r}: one argument can be threaded; gather the"
-        " states into one pytree."
+        f"state_argnums={value!r}: one argument can be threaded; gather the states into"
+        " one pytree."
     )
-  dp = _data_parallel(o["data_parallel"])
-  options = Options(
-      num_microbatches=n, argnums=diff, single_argnum=isinstance(o["argnums"], numbers.Integral),
-      batch_argnums=batch, rng_argnums=argnums_tuple(o["rng_argnums"], "rng_argnums"),
-      state_argnums=state, has_aux=o["has_aux"], weight_fn=o["weight_fn"],
-      aux_reduction=o["aux_reduction"], reduction=o["reduction"], split=dp.split,
-      accumulator_dtype=_core.canonicalize_accumulator_dtype(o["accumulator_dtype"]),
-      on_nonfinite=_arguments.check_on_nonfinite(o["on_nonfinite"], ON_NONFINITE, caller),
-      mesh=dp.mesh,
-      data_axis=dp.data_axis, param_sharding=dp.param_sharding,
-      gather="per_microbatch" if dp.gather is None else dp.gather,
-      gather_dtype=_transport_dtype(dp.gather_dtype, "gather_dtype"),
-      reduce_dtype=_transport_dtype(dp.reduce_dtype, "reduce_dtype"),
-      return_info=o["return_info"], gradient_noise=bool(o["gradient_noise"]),
-      gradient_dtype=_gradient_dtype(o["gradient_dtype"]),
-  )
-  _check_roles(options.roles())
-  _check_choices(options)
-  return options
+  return {"state_argnums": state}
+
+
+def _on_nonfinite(value: Any, caller: str) -> dict[str, Any]:
+  value = _arguments.check_on_nonfinite(value, ON_NONFINITE, caller)
+  return {"on_nonfinite": value, "checks_finite": value != "unchecked",
+          "propagates": value == "propagate"}
+
+
+def _reduction(value: Any) -> dict[str, Any]:
+  _arguments.check_grad_reduction(value)
+  return {"reduction": value}
+
+
+# How each option given (not at its default) is checked, into the fields it sets.
+_RESOLVE: dict[str, Callable[[Any, str], dict[str, Any]]] = {
+    "argnums": lambda v, caller: _diff_argnums(v),
+    "batch_argnums": lambda v, caller: {"batch_argnums": _batch_argnums(v)},
+    "has_aux": lambda v, caller: {"has_aux": v},
+    "weight_fn": lambda v, caller: {"weight_fn": v},
+    "rng_argnums": lambda v, caller: {"rng_argnums": argnums_tuple(v, "rng_argnums")},
+    "state_argnums": lambda v, caller: _state_argnums(v),
+    "aux_reduction": lambda v, caller: {"aux_reduction": v},  # checked with the mesh
+    "reduction": lambda v, caller: _reduction(v),
+    "accumulator_dtype": lambda v, caller: {
+        "accumulator_dtype": _core.canonicalize_accumulator_dtype(v)},
+    "gradient_dtype": lambda v, caller: {"gradient_dtype": _gradient_dtype(v)},
+    "on_nonfinite": _on_nonfinite,
+    "data_parallel": lambda v, caller: _data_parallel_fields(v),
+    "return_info": lambda v, caller: {"return_info": v},
+    "gradient_noise": lambda v, caller: {"gradient_noise": bool(v)},
+}
+
+# The options of a call that gives none: what `make` resolves the defaults to.
+PLAIN = Options(
+    num_microbatches=1, argnums=(0,), single_argnum=True, batch_argnums=(1,),
+    rng_argnums=(), state_argnums=(), has_aux=False, weight_fn=None, aux_reduction=None,
+    reduction=None, split="contiguous", accumulator_dtype=jnp.dtype(jnp.float32),
+    on_nonfinite="propagate", mesh=None, data_axis=None, param_sharding=None,
+    gather="per_microbatch", gather_dtype=None, reduce_dtype=None, return_info=False,
+    gradient_noise=False, gradient_dtype=None, checks_finite=True, propagates=True,
+    data_parallel=False,
+)
+
+
+def _batch_argnums(value: Any) -> tuple[int, ...]:
+  """``batch_argnums`` as a tuple. Never None: which arguments are the batch is said,
+  as ``optax.microbatching``'s ``batch_argnums=1`` says it, never guessed from their
+  shapes (a per-class weight vector of the batch's length is no batch)."""
+  if value is None:
+    raise ValueError(
+        "batch_argnums=None does not say which arguments are the batch, and they are not"
+        " guessed from shapes: name them, e.g. batch_argnums=1 (the default) for"
+        " loss(params, batch), or batch_argnums=(1, 2) for loss(params, x, y)."
+    )
+  batch = argnums_tuple(value, "batch_argnums")
+  if not batch:
+    raise ValueError(
+        "batch_argnums=() names no batch: name the argument(s) to split, e.g."
+        " batch_argnums=1 (the default) or batch_argnums=(1, 2)."
+    )
+  return batch
 
 
 # The on_nonfinite values the inside-step functions take (see _arguments.NONFINITE).
@@ -283,22 +362,25 @@ def _gradient_dtype(dtype: Any) -> Any:
   )
 
 
-def _check_sharding_options(options: Options) -> None:
-  if options.gather not in _sharding.GATHERS:
+def _check_sharding_options(fields: dict[str, Any]) -> None:
+  if fields["gather"] not in GATHERS:
     raise ValueError(
-        f"DataParallel(gather={options.gather!r}) is not one of {_sharding.GATHERS}:"
+        f"DataParallel(gather={fields['gather']!r}) is not one of {GATHERS}:"
         " 'per_microbatch' reduce-scatters each microbatch's gradient (FSDP), 'once'"
         " gathers the parameters before the loop and reduce-scatters after it."
     )
+  if fields["split"] not in _batching.SPLITS:
+    raise ValueError(
+        f"DataParallel(split={fields['split']!r}) is not one of {_batching.SPLITS}:"
+        " 'contiguous' makes microbatch i of consecutive rows, 'strided' of rows i, i + N, ..."
+    )
   given = [
-      f"{name}={value!r}" for name, value, default in (
-          ("param_sharding", options.param_sharding, None),
-          ("gather", options.gather, "per_microbatch"),
-          ("gather_dtype", options.gather_dtype, None),
-          ("reduce_dtype", options.reduce_dtype, None),
-      ) if value != default
+      f"{name}={fields[name]!r}" for name, default in (
+          ("param_sharding", None), ("gather", "per_microbatch"), ("gather_dtype", None),
+          ("reduce_dtype", None),
+      ) if fields[name] != default
   ]
-  if given and not options.data_parallel:
+  if given and not fields["data_parallel"]:
     raise ValueError(
         f"DataParallel({given[0]}) says how gradients cross devices, but names no mesh:"
         " give it mesh and data_axis (or data_axis under jax.set_mesh)."
@@ -324,26 +406,6 @@ def _check_aux_reduction(options: Options) -> None:
       )
 
 
-def _check_choices(options: Options) -> None:
-  _check_sharding_options(options)
-  _check_aux_reduction(options)
-  _arguments.check_grad_reduction(options.reduction)
-  if options.split not in _batching.SPLITS:
-    raise ValueError(
-        f"DataParallel(split={options.split!r}) is not one of {_batching.SPLITS}:"
-        " 'contiguous' makes microbatch i of consecutive rows, 'strided' of rows i, i + N, ..."
-    )
-  if options.gradient_noise and not options.return_info:
-    raise ValueError(
-        "gradient_noise=True needs return_info=True: the estimate comes back as"
-        " info.gradient_noise."
-    )
-  if options.state_argnums and not options.has_aux:
-    raise ValueError(
-        "state_argnums needs has_aux=True: fun must return (value, (new_state, aux))."
-    )
-
-
 def is_key(x: Any) -> bool:
   """A typed PRNG key, or a raw one (uint32[2] threefry, uint32[4] rbg)."""
   dtype = getattr(x, "dtype", None)
@@ -359,7 +421,8 @@ def is_array(x: Any) -> bool:
 
 
 def looks_like_batch(arg: Any) -> bool:
-  """Every leaf an array with a leading (batch) axis, none a key: the batch_argnums=None test."""
+  """Every leaf an array with a leading (batch) axis, none a key: the framework doors'
+  ``batch_argnums=None`` test (``value_and_grad`` itself never guesses)."""
   leaves = jax.tree.leaves(arg)
   return bool(leaves) and all(
       is_array(x) and jnp.ndim(x) >= 1 and not is_key(x) for x in leaves

@@ -61,7 +61,6 @@ from accum_jax._inside_step import _batching, _call, _microbatch, _options, _sha
 _MIB = 2**20
 # The gather modes of sharded parameters, the leanest first; at equal
 # num_microbatches the later one is the faster (no collective in the loop).
-_GATHERS = ("per_microbatch", "once")
 _FIXES = (
     "a smaller model; rematerialisation (wrap the model's blocks in jax.checkpoint, so"
     " activations are recomputed in the backward pass instead of stored); sharding the"
@@ -265,7 +264,7 @@ def _gathers(
   plan = _sharding.plan(call.mesh, call.data_axes, params, param_sharding=dp.param_sharding)
   if not plan.sharded:
     return (None,)
-  return _GATHERS if dp.gather is None else (dp.gather,)
+  return _options.GATHERS if dp.gather is None else (dp.gather,)
 
 
 def _first_fit(estimate: Callable[[int], int], ordered: list[int], budget: int) -> int | None:

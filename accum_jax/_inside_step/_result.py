@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from accum_jax import _core, _noise
-from accum_jax._inside_step import _call, _sharding, _trace
+from accum_jax._inside_step import _call, _trace
 
 
 class MicrobatchInfo(NamedTuple):
@@ -51,6 +51,34 @@ class MicrobatchInfo(NamedTuple):
 
 
 
+class LocalSums(NamedTuple):
+  """What one device's scan over its microbatches leaves, before normalisation.
+
+  Attributes:
+    acc: the sums of ``(value, grads)``, an ``_core.Accumulator`` filled by
+      ``_core.add_share``.
+    aux_sums: per aux leaf, its running sum, or None for a per-example leaf.
+    state: the threaded state after the last microbatch (None without one).
+    per_example: per aux leaf, its outputs in batch order (``"concat"``), or
+      stacked by microbatch (``"stack"``), or None for a summed leaf.
+    noise: the sums of the gradient-noise estimate, an ``_noise.NoiseSums``, or
+      None without ``gradient_noise``.
+    batch_weight: the weight of the whole batch (every device's), float32.
+    loss_finite: with ``on_nonfinite="propagate"``, whether each microbatch's loss
+      is finite (padding counts as finite), shape (N,), in device order under a
+      mesh; else None.
+  """
+
+  acc: Any
+  aux_sums: Any  # a list of arrays and None (or, as out_specs, one spec)
+  state: Any
+  per_example: Any  # likewise
+  noise: Any = None
+  batch_weight: Any = None
+  loss_finite: Any = None  # per microbatch, whether its loss is finite (on_nonfinite="propagate")
+
+
+
 def _aux_result(total, per_example, like, reduction, weight, call) -> jax.Array:
   if _core.is_statistic(reduction):
     return _core.statistic_result(total, like.dtype, weight)
@@ -61,24 +89,27 @@ def _aux_result(total, per_example, like, reduction, weight, call) -> jax.Array:
   return total.astype(like.dtype) if jnp.issubdtype(like.dtype, jnp.inexact) else total
 
 
-def finalise(sums: _sharding.LocalSums, call: _call.Call) -> Any:
+def finalise(sums: LocalSums, call: _call.Call) -> Any:
   """Normalises the sums into what ``jax.value_and_grad`` returns."""
   options, shapes, acc = call.options, call.shapes, sums.acc
-  value, grads = _core.share_result(
-      acc, (shapes.value, _returned(shapes.grads, options.gradient_dtype)), sums.batch_weight,
-      shapes.kinds,
-  )
+  returned = shapes.grads
+  if options.gradient_dtype is not None:
+    returned = _returned(shapes.grads, options.gradient_dtype)
+  value, grads = _core.share_result(acc, (shapes.value, returned), sums.batch_weight,
+                                    shapes.kinds)
   # Every microbatch skipped: NaN, as on the whole batch, rather than a loss of
   # 0 that hides it (accumulate, apply_if_finite... then skip the step too).
   nothing_kept = (acc.weight == 0) & (acc.num_skipped > 0)
   value = jnp.where(nothing_kept, jnp.nan, value)
   grads, state, skip = _skipped(call, acc, grads, sums.state, nothing_kept)
-  aux = jax.tree.unflatten(jax.tree.structure(shapes.aux), [
-      _aux_result(total, per_example, like, r, acc.weight, call)
-      for total, per_example, like, r in zip(
-          sums.aux_sums, sums.per_example, jax.tree.leaves(shapes.aux), shapes.reductions
-      )
-  ])
+  aux = shapes.aux
+  if options.has_aux:
+    aux = jax.tree.unflatten(jax.tree.structure(shapes.aux), [
+        _aux_result(total, per_example, like, r, acc.weight, call)
+        for total, per_example, like, r in zip(
+            sums.aux_sums, sums.per_example, jax.tree.leaves(shapes.aux), shapes.reductions
+        )
+    ])
   if options.state_argnums:
     aux = (state, aux)
   out = (value, aux) if options.has_aux else value
@@ -130,7 +161,7 @@ def _skipped_grads(call: _call.Call, grads: Any, skipped: jax.Array) -> Any:
   NaN scale would make every later step NaN.
   """
   kinds = call.shapes.grad_kinds or ("mean",) * len(jax.tree.leaves(grads))
-  params = jax.tree.leaves(call.params())
+  params = jax.tree.leaves(call.diff)
   leaves = [
       jnp.where(skipped, jnp.asarray(old).astype(g.dtype), g) if _core.is_statistic(kind)
       else jnp.where(skipped, jnp.nan, g) if jnp.issubdtype(g.dtype, jnp.inexact)
@@ -144,7 +175,7 @@ def _skipped_grads(call: _call.Call, grads: Any, skipped: jax.Array) -> Any:
 STEP_PACK_LIMIT = 1 << 12
 
 
-def _whole_step(acc: _core.Accumulator, plan: _sharding.Plan | None) -> _StepSkip:
+def _whole_step(acc: _core.Accumulator, plan: Any) -> _StepSkip:
   """``on_nonfinite="propagate"``: one check of the summed loss and gradient after the
   loop (the sums are the whole batch's, every device's), no conditional. A step
   that is skipped leaves out every microbatch of the call.
@@ -183,7 +214,7 @@ def _returned(grads: Any, gradient_dtype: Any) -> Any:
 
 
 def _noise_estimate(
-    sums: _sharding.LocalSums, shapes: _trace.Shapes
+    sums: LocalSums, shapes: _trace.Shapes
 ) -> _noise.GradientNoise | None:
   """From the sums, the combined gradient's norm read off the accumulator."""
   if sums.noise is None:

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from accum_jax import _arguments, _core
-from accum_jax._inside_step import _call, _microbatch, _options, _sharding, _trace
+from accum_jax._inside_step import _across_devices, _call, _loop, _microbatch, _options, _trace
 from accum_jax._inside_step._trace import describe as _describe
 
 
@@ -101,14 +101,14 @@ def _local_statistics(fun, call: _call.Bound, args, shard_index):
   and summed after the loop.
   """
   options, plan = call.options, call.plan
-  batch, weights = _microbatch.microbatches(options, call, args)
+  batch, weights = _loop.microbatches(options, call, args)
   params = call.params(args)
   if plan is not None and plan.gather == "once":
-    params = _sharding.gather(plan, params)
+    params = _across_devices.gather(plan, params)
 
   def forward(_, x):
     index, mb, weight = x
-    seen = params if plan is None or plan.gather == "once" else _sharding.gather(plan, params)
+    seen = params if plan is None or plan.gather == "once" else _across_devices.gather(plan, params)
     call_args = _trace.microbatch_args(options, call.batch_argnums, args, index, mb, None, seen,
                                        shard_index)
     loss, stats, _ = _split_out(fun(*call_args, **call.kwargs), options.has_aux)
@@ -130,7 +130,7 @@ def _statistics(fun, call: _call.Bound) -> Any:
     total, weight = local(call.args, None)
   else:
     axes = call.plan.axes
-    total, weight = _sharding.map_devices(
+    total, weight = _across_devices.map_devices(
         lambda args, shard_index: jax.lax.psum(local(args, shard_index), axes), call.args,
         batch_argnums=call.batch_argnums, param_argnums=call.options.argnums, plan=call.plan,
         out_specs=P(),

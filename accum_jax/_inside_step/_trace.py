@@ -12,6 +12,7 @@ trace of the step, as in a hand-written scan.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -22,10 +23,17 @@ from accum_jax import _arguments, _core
 from accum_jax._inside_step import _options
 
 
+class Checked(NamedTuple):
+  """``fun`` as the loop calls it (:func:`checked`)."""
+
+  value_and_grad: Callable[..., Any]  # (share, *args) -> (scaled, (value, (state, aux))), grads
+  forward: Callable[..., Any]  # (*args) -> (value, (state, aux)), no gradient
+
+
 class Fun(NamedTuple):
   """What every microbatch's call of ``fun`` needs besides its data."""
 
-  grad_fun: Callable[..., Any]  # :func:`checked`
+  grad_fun: Checked  # :func:`checked`
   options: _options.Options
   batch_argnums: tuple[int, ...]
   kwargs: dict[str, Any]
@@ -39,18 +47,16 @@ class Shapes(NamedTuple):
   aux: Any
   reductions: tuple[str, ...]  # one per leaf of aux
   grad_kinds: tuple[str, ...] | None  # one per leaf of grads; None: all "mean"
+  kinds: tuple[str, ...] | None  # per leaf of the accumulator's (value, grads), for _core
 
-  @property
-  def kinds(self) -> tuple[str, ...] | None:
-    """Per leaf of the accumulator's ``(value, grads)``, as ``_core`` takes them."""
-    return None if self.grad_kinds is None else (self.value_kind, *self.grad_kinds)
 
-  @property
-  def value_kind(self) -> str:
-    """"sum" when every gradient leaf sums (a summed loss, ``reduction="sum"``):
-    the value is then the batch's sum, as the gradient is; else "mean"."""
-    sums = [k for k in self.grad_kinds or () if not _core.is_statistic(k)]
-    return "sum" if sums and all(k == "sum" for k in sums) else "mean"
+def accumulator_kinds(grad_kinds: tuple[str, ...]) -> tuple[str, ...]:
+  """Per leaf of the accumulator's ``(value, grads)``, as ``_core`` takes them: the
+  value "sum" when every gradient leaf sums (a summed loss, ``reduction="sum"``),
+  as the batch's sum is, else "mean"."""
+  sums = [k for k in grad_kinds if not _core.is_statistic(k)]
+  value_kind = "sum" if sums and all(k == "sum" for k in sums) else "mean"
+  return (value_kind, *grad_kinds)
 
 
 def describe(x: Any) -> str:
@@ -134,15 +140,16 @@ def _state_and_aux(aux: Any, argnum: int, args: Sequence[Any]) -> tuple[Any, Any
   return new_state, aux
 
 
-def checked(fun: Callable[..., Any], options: _options.Options) -> Callable[..., Any]:
-  """``fun`` returning ``(value, (new_state, aux))``, with what it returned checked."""
+def checked(fun: Callable[..., Any], options: _options.Options) -> Checked:
+  """``fun`` returning ``(value, (new_state, aux))``, with what it returned checked:
+  its value and gradient with the loss scaled by a share, and its forward pass."""
 
   def checked(*args, **kwargs):
     value, aux = value_and_aux(fun(*args, **kwargs), options.has_aux)
     new_state = None
     if options.state_argnums:
       new_state, aux = _state_and_aux(aux, options.state_argnums[0], args)
-    return value, (new_state, _arrays(aux))
+    return value, (new_state, _arrays(aux) if options.has_aux else aux)
 
   def scaled(share, *args, **kwargs):
     # The microbatch's share of the batch's weight scales the loss before
@@ -153,10 +160,11 @@ def checked(fun: Callable[..., Any], options: _options.Options) -> Callable[...,
     # The unscaled value rides along, for its dtype and the finiteness check.
     return value.astype(jnp.promote_types(value.dtype, jnp.float32)) * share, (value, aux)
 
-  diff = tuple(n + 1 for n in options.argnums)
-  grad_fun = jax.value_and_grad(scaled, argnums=diff[0] if options.single_argnum else diff,
-                                has_aux=True)
-  return grad_fun
+  # fun's arguments come after the share.
+  diff = options.argnums[0] + 1 if options.single_argnum else tuple(
+      n + 1 for n in options.argnums)
+  grad_fun = jax.value_and_grad(scaled, argnums=diff, has_aux=True)
+  return Checked(grad_fun, checked)
 
 
 def fold_in(key: jax.Array, index: jax.Array, shard_index: jax.Array | None) -> jax.Array:
@@ -209,13 +217,14 @@ def run(fun: Fun, args: Sequence[Any], shard_index, index, mb, state, share, par
   its loss scaled by ``share``; ``args`` as this device holds them."""
   call_args = microbatch_args(fun.options, fun.batch_argnums, args, index, mb, state, params,
                               shard_index)
-  (value, (raw_value, (new_state, aux))), grads = fun.grad_fun(share, *call_args, **fun.kwargs)
+  (value, (raw_value, (new_state, aux))), grads = fun.grad_fun.value_and_grad(
+      share, *call_args, **fun.kwargs)
   return Out(value, raw_value, grads, new_state, aux)
 
 
 def trace(
     fun: Fun, args: Sequence[Any], rows: int, seen: Any, grads: Any,
-    grad_kinds: tuple[str, ...],
+    grad_kinds: tuple[str, ...], batch_size: int,
 ) -> tuple[Shapes, Callable[..., Out]]:
   """One microbatch of ``rows`` rows, traced abstractly (no compile) and checked.
 
@@ -224,39 +233,80 @@ def trace(
   shapes and dtypes). Returns the :class:`Shapes` and the jitted microbatch
   function ``(index, mb, state, share, params) -> Out``: called again with
   arguments of the same types (one device's loop), it reuses this trace.
+  ``batch_size`` is the whole batch's (every device's), which the aux's
+  default reduction is checked against (:func:`_aux_reductions`).
   """
   options = fun.options
-  # JAX's own dtypes: a float64 numpy batch is float32 once traced (unless x64
-  # is on), and asking for float64 here would warn on every trace.
-  canonical = jax.dtypes.canonicalize_dtype
-  mb = {
-      n: jax.tree.map(
-          lambda x: jax.ShapeDtypeStruct((rows, *x.shape[1:]), canonical(x.dtype)), args[n]
-      )
-      for n in fun.batch_argnums
-  }
   state = args[options.state_argnums[0]] if options.state_argnums else None
   one = jax.jit(lambda i, mb, state, share, p: run(fun, args, None, i, mb, state, share, p))
   scalar = jax.ShapeDtypeStruct
-  traced = one.trace(scalar((), jnp.int32), mb, state, scalar((), jnp.float32), seen)
+  traced = one.trace(scalar((), jnp.int32), _rows(fun, args, rows), state,
+                     scalar((), jnp.float32), seen)
   out = traced.out_info
-  reductions = _aux_reductions(out.aux, options.aux_reduction, rows)
+  whole = (functools.partial(_whole_batch_aux, fun, args, batch_size, state, seen)
+           if batch_size != rows else lambda: None)  # one microbatch is the whole batch
+  reductions = (_aux_reductions(out.aux, options.aux_reduction, rows, whole)
+                if options.has_aux else ())
   # All "mean": the default path, as if per-leaf kinds did not exist.
-  kinds = None if all(kind == "mean" for kind in grad_kinds) else grad_kinds
-  shapes = Shapes(out.raw_value, jax.tree.map(abstract, grads), out.aux, reductions, kinds)
+  kinds = None if grad_kinds.count("mean") == len(grad_kinds) else grad_kinds
+  shapes = Shapes(out.raw_value, jax.tree.map(abstract, grads), out.aux, reductions, kinds,
+                  None if kinds is None else accumulator_kinds(kinds))
   return shapes, one
 
 
-def _aux_reductions(aux: Any, spec: Any, rows: int) -> tuple[str, ...]:
+def _rows(fun: Fun, args: Sequence[Any], rows: int) -> dict[int, Any]:
+  """The batch arguments, abstractly, cut to ``rows`` rows (by argnum)."""
+  # JAX's own dtypes: a float64 numpy batch is float32 once traced (unless x64
+  # is on), and asking for float64 here would warn on every trace.
+  canonical = jax.dtypes.canonicalize_dtype
+  cut = {}
+  for n in fun.batch_argnums:
+    cut[n] = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct((rows, *x.shape[1:]), canonical(x.dtype)), args[n])
+  return cut
+
+
+def _whole_batch_aux(fun: Fun, args, batch_size: int, state, seen) -> Any:
+  """The aux ``fun`` returns on the whole batch, abstractly (its forward pass traced,
+  no gradient, no compile); None where ``fun`` cannot be traced on it (a model
+  written for one microbatch size): then no shape can be compared."""
+
+  def forward(i, mb, state, params):
+    call_args = microbatch_args(fun.options, fun.batch_argnums, args, i, mb, state, params, None)
+    return fun.grad_fun.forward(*call_args, **fun.kwargs)[1][1]
+
+  index = jax.ShapeDtypeStruct((), jnp.int32)
+  try:
+    return jax.eval_shape(forward, index, _rows(fun, args, batch_size), state, seen)
+  except (TypeError, ValueError):  # JAX's shape errors; fun's own checks are made on one microbatch
+    return None
+
+
+def _aux_reductions(
+    aux: Any, spec: Any, rows: int, whole: Callable[[], Any] = lambda: None,
+) -> tuple[str, ...]:
   """How each aux leaf is reduced (``spec``: ``aux_reduction``, maybe per leaf).
 
-  A leaf that ``spec`` leaves at None is averaged, whatever its shape: a default
-  that guessed from shapes (a leading axis of the microbatch's rows read as per
-  example) would change what the step returns with ``num_microbatches``. Per-example
-  outputs come back in batch order where ``"concat"`` asks for them."""
+  A leaf that ``spec`` leaves at None is averaged ("mean") where that gives the
+  whole batch's shape. The rule, from abstract shapes only: ``whole()`` traces
+  ``fun``'s forward pass on the whole batch, and a leaf whose shape there differs
+  from its shape on one microbatch (a per-example output, or anything sized by
+  the rows) depends on how the batch is split, so no reduction can be chosen for
+  it without changing what the step returns with ``num_microbatches``: a
+  ValueError names the leaf, both shapes and the fix (``"concat"``, or a
+  reduction of its own).
+
+  ``whole`` is called only when a leaf left at None has an axis, or the
+  microbatch has one row. A scalar of a microbatch of several rows is taken to be
+  a scalar of the whole batch too, so that the usual aux (a dict of scalar
+  metrics) costs no second trace: its rank would have to change with the number
+  of rows, which a squeeze of a one-row axis does (hence one-row microbatches are
+  always compared) and otherwise only code that branches on the batch's size.
+  Per-example outputs come back in batch order where ``"concat"`` asks for them."""
   reductions = []
   given = _arguments.per_leaf_spec(_completed(spec, aux), aux, "aux_reduction", "the aux")
-  for (path, leaf), (requested, _) in zip(jax.tree.leaves_with_path(aux), given):
+  leaves = jax.tree.leaves_with_path(aux)
+  for (path, leaf), (requested, _) in zip(leaves, given):
     if requested == "concat" and not (len(leaf.shape) >= 1 and leaf.shape[0] == rows):
       raise ValueError(
           f"aux_reduction='concat' returns per-example outputs in batch order, but aux"
@@ -265,7 +315,34 @@ def _aux_reductions(aux: Any, spec: Any, rows: int) -> tuple[str, ...]:
           " or reduce it with aux_reduction='mean' or 'sum'."
       )
     reductions.append(requested or "mean")
+  defaults = [i for i, (requested, _) in enumerate(given) if requested is None]
+  # Scalars on microbatches of several rows are the whole batch's scalars (see above):
+  # then fun is traced once, as in a hand-written scan.
+  compared = rows == 1 or any(leaves[i][1].shape for i in defaults)
+  if compared and (full := whole()) is not None:
+    _check_default_shapes([leaves[i] for i in defaults],
+                          [jax.tree.leaves(full)[i] for i in defaults], rows)
   return tuple(reductions)
+
+
+def _check_default_shapes(leaves, full, rows: int) -> None:
+  """ValueError for the first aux leaf at the default reduction whose shape on one
+  microbatch (``leaves``: (path, leaf)) is not its shape on the whole batch (``full``)."""
+  for (path, leaf), whole in zip(leaves, full):
+    if tuple(leaf.shape) == tuple(whole.shape):
+      continue
+    name = jax.tree_util.keystr(path) or "(the aux)"
+    per_example = len(leaf.shape) >= 1 and leaf.shape[0] == rows
+    fix = ("aux_reduction='concat' returns it in batch order, as the whole batch's"
+           if per_example else "aux_reduction='stack' returns it per microbatch")
+    raise ValueError(
+        f"The aux leaf {name} has shape {tuple(leaf.shape)} on a microbatch of {rows} rows"
+        f" but {tuple(whole.shape)} on the whole batch: its shape depends on the"
+        f" microbatches, so the default reduction ('mean') would make what the step returns"
+        f" change with num_microbatches. Say how it combines: {fix} (for this leaf alone,"
+        f" a pytree prefix of the aux with it at {name}), or give it 'mean', 'sum', 'max'"
+        " or 'last' explicitly."
+    )
 
 
 def _completed(spec: Any, tree: Any, where: str = "") -> Any:
