@@ -7,7 +7,7 @@ optimizer state passed through): in the combined form (the gradient in the same
 jit), the host schedule's call that only accumulates holds no conditional and no
 copy of more than a scalar; the device schedule keeps one conditional, and copies no
 leaf either.
-How many top-level fusions each makes against the floor's (at most 1.10x and 1.25x),
+How many top-level fusions each makes against the floor's (at most 1.10x and 1.15x),
 how many scalar copies XLA makes, and that it copies every leaf a hand-written
 conditional passes through, are its choices: pinned below, on these programs, and
 marked ``xla_fact`` as those of tests/test_xla_facts.py are (they stay beside the
@@ -25,6 +25,7 @@ import jax
 import optax
 import pytest
 
+from accum_jax._across_calls._state import COUNTS, SUMS
 from accum_jax.testing import copied_shapes, kernel_counts
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
@@ -74,9 +75,13 @@ def _counts(programs):
   return {name: kernel_counts(compiled) for name, compiled in programs.items()}
 
 
+# accumulate's counters: one int32 and one float32 vector, of a few entries each.
+_COUNTERS = (f"s32[{len(COUNTS)}]", f"f32[{len(SUMS)}]")
+
+
 def _leaf_copies(compiled):
-  """The copied shapes of more than a scalar (a counter, a flag): a leaf's."""
-  return [s for s in copied_shapes(compiled) if not s.endswith("[]")]
+  """The copied shapes of more than a scalar or the state's counters: a leaf's."""
+  return [s for s in copied_shapes(compiled) if not s.endswith("[]") and s not in _COUNTERS]
 
 
 def test_the_hand_written_row_is_the_bench_s():
@@ -120,18 +125,18 @@ def test_the_host_schedule_s_micro_step_makes_the_floor_s_fusions(bench, program
 @pytest.mark.xla_fact
 def test_the_device_schedule_s_micro_step_makes_a_pass_a_leaf_more_than_the_floor(
     bench, programs):
-  """XLA:CPU's top-level fusions in the device schedule's micro-step: at most 1.25x the
-  floor's. One pass a leaf more than the floor's add: the parameters' update (one
-  program cannot leave them untouched), and the window's sum emptied after the
-  conditional where the window ended (the state keeps the sum or zeros, never the
-  updates it carried, issue 40); XLA:CPU does not fuse that select with the update's.
+  """XLA:CPU's top-level fusions in the device schedule's micro-step (the tree layout
+  the tests' eight devices give): at most 1.15x the floor's. One pass a leaf more
+  than the floor's add: the parameters' update (one program cannot leave them
+  untouched); a window that ends writes nothing into its sum (1612 against 1459 on
+  JAX 0.10.2, where emptying it cost 1764).
 
-  On a JAX upgrade that changes it: as above; a count past 1.25x that grows with the
+  On a JAX upgrade that changes it: as above; a count past 1.15x that grows with the
   leaves is a pass per leaf more, a regression.
   """
   counts = _counts(programs)
   floor, device = counts[bench.FLOOR], counts[bench.DEVICE]
-  assert device.fusions <= 1.25 * floor.fusions, (device, floor)
+  assert device.fusions <= 1.15 * floor.fusions, (device, floor)
 
 
 @pytest.mark.xla_fact
