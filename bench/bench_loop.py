@@ -607,13 +607,15 @@ GPT2_SMALL_TREE = {"layers": 12, "width": 768, "vocab": 50257, "context": 1024}
 def memory_section(sizes: dict[str, int] = GPT2_SMALL_TREE) -> dict[str, Any]:
   """Both programs of the hand-written loop, ``accumulate`` default and tree, and
   ``optax.MultiSteps`` (one program for both calls), compiled for ``gpt2_tree``'s
-  shapes at ``sizes`` in bfloat16 and a loss whose gradient takes no memory (the sum
-  of the parameters in float32; a sum of squares keeps a float32 copy of them for its
-  gradient): ``temp + output - alias`` bytes, each to the hand-written program's, and
-  the buffers in and out."""
+  shapes at ``sizes`` in bfloat16 and a loss whose gradient takes no memory (a
+  weighted sum of the parameters in float32, each leaf its own weight: a sum of
+  squares keeps a float32 copy of them for its gradient, and with one weight for all
+  XLA computes equal buckets of ones once and keeps them): ``temp + output - alias``
+  bytes, each to the hand-written program's, and the buffers in and out."""
 
   def loss(params, tokens):
-    return sum(jnp.sum(p, dtype=jnp.float32) for p in jax.tree.leaves(params))
+    return sum(jnp.sum(p, dtype=jnp.float32) * (i + 1)
+               for i, p in enumerate(jax.tree.leaves(params)))
 
   params = jax.eval_shape(lambda: models.gpt2_tree(**sizes))
   tokens = jax.ShapeDtypeStruct((1, sizes["context"] + 1), jnp.int32)
