@@ -125,7 +125,7 @@ def make_chunk_fn(opt: optax.GradientTransformation):
   def step(carry, xs):
     params, state = carry
     grads, weight, flush = xs
-    weight_before = state.accumulator.weight
+    weight_before = state.window_weight
     skipped_before = state.num_skipped
     updates, state = opt.update(grads, state, params, weight=weight, flush=flush)
     params = optax.apply_updates(params, updates)

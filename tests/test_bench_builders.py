@@ -99,7 +99,11 @@ def test_every_loop_of_bench_loop_trains_alike_in_both_containers():
     buffers = {name: entry["buffers"] for name, entry in entries.items()}
     # The default state passes fewer buffers than a buffer per leaf; the lean micro-step
     # returns no parameters.
+    # The default packs where JAX has one device; on the tests' eight it keeps a tree.
+  if jax.device_count() == 1:
     assert buffers[bench_loop.HOST]["adding_in"] < buffers[bench_loop.TREE]["adding_in"]
+  else:
+    assert buffers[bench_loop.HOST]["adding_in"] == buffers[bench_loop.TREE]["adding_in"]
     assert (buffers[bench_loop.LEAN]["adding_out"]
             == buffers[bench_loop.FLOOR]["adding_out"] - len(start))
   tables = bench_loop.tables(results[bench_loop.ARRAYS])

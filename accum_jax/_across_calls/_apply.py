@@ -10,6 +10,7 @@ come from ``_transform``.
 
 from __future__ import annotations
 
+import functools
 import sys
 from typing import Any, NamedTuple
 
@@ -61,7 +62,10 @@ def _emit(options, call, window, stored):
   window's noise (``()`` without gradient noise)."""
   packed = isinstance(stored, _layout.Packed)
   # A plain jax.jit over an nnx.State hands the gradient (and so the state) Variables.
-  wrapped = packed and "flax.nnx" in sys.modules and _layout.has_variables(call.grads)
+  total = window.accumulator.total
+  wrapped = (packed and isinstance(total, _layout.Packed)
+             and jax.tree.structure(call.grads) != total.layout.treedef
+             and "flax.nnx" in sys.modules and _layout.has_variables(call.grads))
   tree = stored.unpack(wrapped=wrapped) if packed else stored
   new_updates, new_tree = _inner_update(options, call, tree, window.accumulator,
                                         window.value_accumulator)
@@ -88,11 +92,10 @@ def host_apply(options, call, state, window) -> Inner:
   if applied is True:
     return Inner(updates, inner_state, noise, True)
 
-  def keep(new, old=0):  # 0: zero updates, a weak scalar taking the updates' dtype
-    return jnp.where(applied, new, old)
-
+  keep = functools.partial(jnp.where, applied)
   return Inner(
-      jax.tree.map(keep, updates), jax.tree.map(keep, inner_state, state.inner_opt_state),
+      jax.tree.map(keep, updates, jax.tree.map(jnp.zeros_like, updates)),
+      jax.tree.map(keep, inner_state, state.inner_opt_state),
       jax.tree.map(keep, noise, state.last_noise), applied)
 
 

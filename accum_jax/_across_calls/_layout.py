@@ -72,22 +72,16 @@ class Layout:
   wrapped: Any  # treedef's, with the tree's NNX Variables (as plain jax.jit over them sees it)
 
   def __post_init__(self):
-    object.__setattr__(self, "_hash", hash(self._fields()))
-
-  def _fields(self) -> tuple[Any, ...]:
-    return (self.treedef, self.slots, self.sizes, self.shapes, self.keys, self.wrapped)
+    fields = (self.treedef, self.slots, self.sizes, self.shapes, self.keys, self.wrapped)
+    object.__setattr__(self, "_fields", fields)
+    object.__setattr__(self, "_hash", hash(fields))
 
   def __hash__(self) -> int:
     return self._hash  # type: ignore[attr-defined]
 
   def __eq__(self, other: Any) -> bool:
-    return self is other or (isinstance(other, Layout) and hash(self) == hash(other)
-                             and self._fields() == other._fields())
-
-  @property
-  def source(self) -> Any:
-    """The structure of the tree planned (NNX Variables unwrapped)."""
-    return self.treedef
+    return self is other or (isinstance(other, Layout) and self._hash == other._hash  # type: ignore[attr-defined]
+                             and self._fields == other._fields)  # type: ignore[attr-defined]
 
   def pack(self, tree: Any) -> Packed:
     """``tree`` (of this layout's leaves, in any container) as a :class:`Packed`."""

@@ -22,10 +22,10 @@ def check_tree_matches(grads: Any, like: Any) -> None:
   """The gradients have the structure and shapes the state was made for: ``like`` is
   that tree, or the :class:`_layout.Layout` of a packed window."""
   structure: Any = jax.tree.structure(grads)
-  if isinstance(like, _layout.Layout):  # planned with NNX Variables unwrapped
-    if "flax.nnx" in sys.modules:
+  if isinstance(like, _layout.Layout):
+    expected: Any = like.treedef
+    if structure != expected and "flax.nnx" in sys.modules:  # planned with Variables unwrapped
       structure = jax.tree.structure(_layout.unwrapped(grads))
-    expected: Any = like.source
     shapes = list(like.shapes)
   else:
     expected = jax.tree.structure(like)
