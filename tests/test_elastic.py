@@ -205,7 +205,8 @@ def test_a_flax_train_state_target_shards_params_and_opt_state_and_replicates_th
 
   target = abstract_tree(jax.eval_shape(create_state), params)
   assert type(target) is TrainState and target.tx is tx
-  for tree in (target.params, target.opt_state.window_total, target.opt_state.inner_opt_state[0].nu):
+  opt_state = target.opt_state
+  for tree in (target.params, opt_state.window_total, opt_state.inner_opt_state[0].nu):
     for x, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings)):
       assert x.sharding.is_equivalent_to(s, x.ndim)
   assert target.params["hidden"]["w"].sharding.spec == P(None, "data")

@@ -1,7 +1,8 @@
 """The house rules of the package, read from its import statements (no code runs).
 
 accum_jax's file list shows its design: the shared pieces at the top
-(``_core`` with ``_arrays`` and ``_statistics``, ``_arguments``, ``_noise``), the two ways in in private packages of
+(``_core`` with ``_arrays`` and ``_statistics``, ``_arguments``, ``_noise``), the two
+ways in in private packages of
 their own (``_across_calls``: ``accumulate`` and what only it uses;
 ``_inside_step``: ``value_and_grad`` and what only it uses), the public modules
 beside them, and ``testing``, which reads compiled programs and imports none of

@@ -170,7 +170,8 @@ def _carrier(update_shapes: Any, call: Any, total: Any) -> tuple[Any, bool]:
   read back through slices, not in place: there the gradient carries them, which is
   added into the window before the conditional, so that its buffers (a gradient
   taken in the step, or donated) can take the updates. Else zeros made outside."""
-  same_tree = jax.tree.structure(update_shapes) == jax.tree.structure(call.grads)
+  structure: Any = jax.tree.structure(update_shapes)
+  same_tree = structure == jax.tree.structure(call.grads)
   shapes = jax.tree.leaves(update_shapes)
   if same_tree and not isinstance(total, _layout.Packed) and all(
       jnp.promote_types(u.dtype, t.dtype) == t.dtype

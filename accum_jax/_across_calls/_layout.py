@@ -176,7 +176,7 @@ def plan(tree: Any, keys: Any = None) -> Layout:
                 tuple(packed_keys(slots, len(sizes), keys)), wrapped_def)
 
 
-def packed_keys(slots: list[Slot | None], buckets: int, keys: list[Any]) -> list[Any]:
+def packed_keys(slots: Any, buckets: int, keys: Any) -> list[Any]:
   """One of ``keys`` (one per leaf of the tree) per leaf of its :class:`Packed`: each
   bucket's (its leaves share it, see :func:`plan`), then each kept leaf's."""
   out: list[Any] = [None] * buckets

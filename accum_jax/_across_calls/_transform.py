@@ -138,7 +138,7 @@ def _init(options: _Options, params: Any) -> AccumulationState:
   )
 
 
-def _empty_window(options: _Options, grads_like: Any, kinds: list[str], packed: bool) -> Any:
+def _empty_window(options: _Options, grads_like: Any, kinds: Any, packed: bool) -> Any:
   """The window's total, empty: zeros of the gradient's tree, or of its buckets."""
   if not packed:
     return _core.init(grads_like, options.accumulator_dtype, kinds).total
@@ -151,7 +151,7 @@ def _empty_window(options: _Options, grads_like: Any, kinds: list[str], packed: 
       for x, k in zip(leaves, kinds)])
   # Placed with the parameters where they were placed on purpose (committed): an
   # uncommitted state keeps a jitted step's first call in the cache of the next.
-  first = leaves[0] if leaves else None
+  first: Any = leaves[0] if leaves else None
   committed = isinstance(first, jax.Array) and not isinstance(first, jax.core.Tracer) and (
       first.committed)
   device = first.sharding if committed else None
@@ -193,7 +193,9 @@ def _bind(options, grads, state, params, weight, flush, apply, extra_args) -> _C
 def _add(options: _Options, call: _Call, state: AccumulationState) -> _Window:
   """This call into the window (unless left out), and whether the window ends."""
   counts, sums = jnp.asarray(state.counts), jnp.asarray(state.sums)
-  accept, rejected, skip_state = True, False, state.skip_state
+  accept: Any = True
+  rejected: Any = False
+  skip_state = state.skip_state
   if options.skip_fn is not None:
     should_skip, skip_state = options.skip_fn(call.grads, counts[COUNT["optimizer_step"]],
                                               call.params)

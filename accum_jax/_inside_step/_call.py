@@ -117,7 +117,7 @@ def bind(
 
 def traced(call: Bound, grad_fun: Callable[..., Any]) -> Call:
   """``call`` with one microbatch of ``grad_fun`` traced (:func:`_trace.trace`)."""
-  fun = _trace.Fun(grad_fun, call.options, call.batch_argnums, call.kwargs)
+  fun = _trace.Fun(grad_fun, call.options, call.batch_argnums, call.kwargs)  # type: ignore[arg-type]
   params, plan = call.diff, call.plan
   # The parameters as fun sees them: full-size, in the dtype they are gathered in.
   seen = params if plan is None else jax.tree.map(

@@ -219,7 +219,7 @@ def _agreed(dev: _Device, *flags: jax.Array) -> tuple[jax.Array, ...]:
 # A microbatch without a weight under "propagate" or "unchecked": weighs 1, kept, never
 # skipped (what `_core.admit(None, None, refuse_nonfinite=False)` decides), known
 # before the loop, so that nothing is selected.
-_KEPT = _core.Admission(np.float32(1.0), np.bool_(True), np.bool_(False))
+_KEPT = _core.Admission(np.float32(1.0), np.bool_(True), np.bool_(False))  # type: ignore[arg-type]
 
 
 # How a pass decides about each microbatch, given what it gives: one of

@@ -118,7 +118,7 @@ def of_options(fun: Callable[..., Any], options: _options.Options) -> Callable[.
 
   @functools.wraps(fun)
   def wrapped(*args, **kwargs):
-    return of_call(_call.bind(options, args, kwargs, grad_fun))
+    return of_call(_call.bind(options, args, kwargs, grad_fun))  # type: ignore[call-overload]
 
   return wrapped
 
