@@ -1,7 +1,6 @@
 """Flax helpers: a Linen ``TrainState`` and an NNX model, microbatched or accumulated.
 
 This is the only module of accum_jax that imports flax; ``import accum_jax`` does not.
-
 Most of Flax needs nothing from here:
 
 * ``nnx.Optimizer(model, accum_jax.accumulate(inner, every_k=4), wrt=nnx.Param)``
