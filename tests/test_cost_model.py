@@ -153,6 +153,7 @@ def test_bytes_sent_before_per_microbatch_and_after_the_loop_are_the_model_s(
   assert 0 <= sent_after - cost.sent_after <= SCALAR_BYTES * len(after), after
 
 
+@pytest.mark.xla_fact
 @pytest.mark.parametrize(("mode", "width", "layers", "k"), CASES)
 def test_temporaries_hold_the_model_s_resident_bytes_and_little_more(mode, width, layers, k):
   compiled, _, devices, cost = _compiled(mode, width, layers, k)

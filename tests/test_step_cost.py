@@ -60,7 +60,9 @@ def test_fun_is_traced_once_per_trace_of_the_step(options):
   assert len(traces) == 1
 
 
+@pytest.mark.xla_fact
 def test_the_step_check_keeps_the_static_memory_of_no_check():
+  """XLA:CPU's static memory (temp + output) of the step checked and unchecked."""
   # Weights above the check's packing limit are checked where they lie: a packed
   # copy of them would be a second gradient after the loop.
   size = 72  # 72 x 72 = 5184 elements, above the limit of 4096
