@@ -86,10 +86,10 @@ class AccumulationState(NamedTuple):
   # The every_k given to accumulate, as static data (no leaf): HostSchedule reads it.
   every_k: _schedules.WindowSchedule = _schedules.WindowSchedule(None)
   # How each gradient leaf combines (_core.per_leaf), as static data: acc_grads reads it.
-  reductions: Reductions | None = None
+  reductions: Any = None  # a Reductions
 
   def counter(self, name: str) -> jax.Array:
-    """The int32 counter ``name`` of :data:`COUNTS`."""
+    """The int32 counter ``name`` (one of ``_state.COUNTS``)."""
     return jnp.asarray(self.counts)[..., COUNT[name]]
 
   @property
