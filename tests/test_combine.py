@@ -206,7 +206,7 @@ def test_by_default_the_nan_microbatch_skips_the_step_statistics_included():
   )
   params = dict(make_params(), stat=np.arange(8, dtype=np.float32))
   (loss, aux), grads, info = jax.jit(vg)(params, make_batch())
-  assert bool(info.step_skipped) and int(info.num_skipped) == 16
+  assert bool(info.step_not_finite) and int(info.num_skipped) == 16
   # Only the NaN microbatch's loss is not finite; zero-weight padding counts as finite.
   np.testing.assert_array_equal(info.loss_finite, np.arange(16) != SKIPPED)
   # Every gradient leaf is NaN, "mean" and "sum" alike; a statistic ("max") is its

@@ -732,13 +732,13 @@ def test_by_default_a_nonfinite_step_is_skipped_whole_its_loss_reported_as_it_wa
   assert not np.isfinite(value) and not np.isfinite(aux["loss"])
   # NaN in every leaf, never a zero gradient an optimizer would step on.
   assert all(np.isnan(g).all() for g in jax.tree.leaves(grads))
-  assert bool(info.step_skipped) and int(info.num_skipped) == 4
+  assert bool(info.step_not_finite) and int(info.num_skipped) == 4
   assert float(info.total_weight) == 0.0
   np.testing.assert_array_equal(info.loss_finite, [True, False, True, True])
   # A finite step is not skipped: the full batch's mean, every loss finite.
   value, grads, info = microbatched(mse_loss, 4, return_info=True)(params, batch)
   tree_allclose((value, grads), reference(mse_loss)(params, batch))
-  assert not bool(info.step_skipped) and int(info.num_skipped) == 0
+  assert not bool(info.step_not_finite) and int(info.num_skipped) == 0
   np.testing.assert_array_equal(info.loss_finite, [True] * 4)
 
 
@@ -757,7 +757,7 @@ def test_by_default_a_nan_gradient_under_a_finite_loss_skips_the_step_and_its_st
   (value, (new_state, _)), grads, info = microbatched(
       loss, 4, has_aux=True, batch_argnums=2, state_argnums=1, return_info=True
   )(params, state, bad)
-  assert np.isfinite(value) and bool(info.step_skipped)
+  assert np.isfinite(value) and bool(info.step_not_finite)
   assert bool(np.all(info.loss_finite))  # the losses said nothing; the sums did
   assert all(np.isnan(g).all() for g in jax.tree.leaves(grads))
   tree_allclose(new_state, state)  # the state passed in, not the skipped step's

@@ -264,7 +264,7 @@ def test_a_non_finite_microbatch_is_skipped_on_every_device_and_counted(where):
 def test_by_default_a_non_finite_microbatch_skips_the_step_on_every_device(where):
   x, y, fun, (value, grads, info), params = _non_finite_step(where)
   # The gradient is NaN, sharded as the parameters; the loss is the batch's, as it was.
-  assert bool(info.step_skipped)
+  assert bool(info.step_not_finite)
   assert int(info.num_skipped) == 8 * NUM_MICROBATCHES
   tree_allclose(grads, jax.tree.map(lambda p: np.full_like(p, np.nan), make_params()))
   _assert_sharded_like(grads, params)

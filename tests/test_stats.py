@@ -135,7 +135,7 @@ def _poisoned():
 def test_by_default_a_non_finite_microbatch_skips_the_step_and_names_its_loss():
   poisoned, batch = _poisoned()
   _, grads, info = door(4, return_info=True)(poisoned, batch)
-  assert bool(info.step_skipped) and int(info.num_skipped) == 4
+  assert bool(info.step_not_finite) and int(info.num_skipped) == 4
   np.testing.assert_array_equal(info.loss_finite, [True, False, True, True])
   assert all(np.isnan(g).all() for g in jax.tree.leaves(grads))
 

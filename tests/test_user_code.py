@@ -365,7 +365,7 @@ def test_padding_whose_loss_is_nan_never_skips_the_default_step():
   vg = jax.jit(accum_jax.value_and_grad(
       masked_padded_loss, 4, weight_fn=lambda b: b["mask"].sum(), return_info=True))
   value, grads, info = vg(w, batch)
-  assert not bool(info.step_skipped) and int(info.num_skipped) == 0
+  assert not bool(info.step_not_finite) and int(info.num_skipped) == 0
   assert float(info.total_weight) == 12 and bool(np.all(info.loss_finite))
   kept = jax.tree.map(lambda a: a[:12], batch)
   tree_allclose((value, grads), jax.value_and_grad(masked_padded_loss)(w, kept))

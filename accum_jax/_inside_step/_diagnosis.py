@@ -212,7 +212,7 @@ def _skipped_hints(
 ) -> list[str]:
   """What was skipped, and why: a whole step (the default) or microbatches."""
   num_skipped = int(info.num_skipped)
-  if parsed.propagates and bool(info.step_skipped):
+  if parsed.propagates and bool(info.step_not_finite):
     return [_skipped_step_hint(options, info, num_microbatches, num_shards, run_micro)]
   if not num_skipped:
     return []

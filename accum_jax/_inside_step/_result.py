@@ -33,10 +33,11 @@ class MicrobatchInfo(NamedTuple):
     gradient_noise: with ``gradient_noise=True``, the :class:`accum_jax.noise.GradientNoise`
       estimated from the microbatches' gradients (per unit of weight; per
       example without ``weight_fn``); else None.
-    step_skipped: whether the step was skipped, its gradient returned NaN:
-      because its summed loss or gradient was not finite (``"propagate"``), or
-      because no microbatch was kept (``"skip_microbatch"``); shape=(), dtype=bool.
-      False with ``on_nonfinite="unchecked"``.
+    step_not_finite: whether the step's gradient came back NaN: its summed loss
+      or gradient was not finite (``"propagate"``: nothing was skipped, a gate
+      such as ``optax.apply_if_finite`` skips the update), or no microbatch was
+      kept (``"skip_microbatch"``); shape=(), dtype=bool. False with
+      ``on_nonfinite="unchecked"``.
     loss_finite: with ``on_nonfinite="propagate"``, whether each microbatch's loss
       was finite (zero-weight padding counts as finite); shape
       (num_microbatches,), or (devices x num_microbatches,) in device order
@@ -46,7 +47,7 @@ class MicrobatchInfo(NamedTuple):
   num_skipped: jax.Array
   total_weight: jax.Array
   gradient_noise: _noise.GradientNoise | None = None
-  step_skipped: jax.Array | None = None
+  step_not_finite: jax.Array | None = None
   loss_finite: jax.Array | None = None
 
 
