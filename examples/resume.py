@@ -167,7 +167,7 @@ def main():
     window = state.opt_state
     print(f"checkpoint after call {stop} of {total_calls}: the window holds"
           f" {int(window.mini_step)} of {EVERY_K} microbatches (weight"
-          f" {float(window.accumulator.weight):g}), {int(accum_jax.optimizer_step(state))}"
+          f" {float(window.window_weight):g}), {int(accum_jax.optimizer_step(state))}"
           " Adam updates so far")
     del state, window
 
