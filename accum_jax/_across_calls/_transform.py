@@ -241,8 +241,9 @@ def _left_out(call: _Call, left_out: Any, rejected: Any) -> dict[str, Any]:
     bad_weight = ~(jnp.isfinite(w) & (w >= 0))
     counts["num_bad_weights"] = bad_weight
   if rejected is not False:
-    counts["num_rejected"] = left_out & rejected & ~bad_weight
-  counts["num_skipped"] = left_out & ~bad_weight & ~rejected
+    counts["num_rejected"] = left_out & rejected & jnp.logical_not(bad_weight)
+  # logical_not: either may be a Python bool, whose ~ is an int's.
+  counts["num_skipped"] = left_out & jnp.logical_not(bad_weight) & jnp.logical_not(rejected)
   return counts
 
 
@@ -284,7 +285,8 @@ def _next_state(options, call, state, window, inner: _apply.Inner) -> Accumulati
   refused = window.apply & ~applied
   added = dict(window.counts)
   added["num_skipped"] = added.get("num_skipped", 0) + jnp.where(refused, acc.count, 0)
-  added["num_empty_windows"] = window.done & ~window.apply & (acc.count > 0) & (acc.weight == 0)
+  added["num_empty_windows"] = (window.done & jnp.logical_not(window.apply) & (acc.count > 0)
+                                 & (acc.weight == 0))
   added["mini_step"] = jnp.where(window.done, 0, acc.count) - counts[COUNT["mini_step"]]
   added["optimizer_step"] = applied
   added["last_updated"] = applied.astype(jnp.int32) - counts[COUNT["last_updated"]]
