@@ -196,20 +196,6 @@ def packed_with(layout: Layout, vectors: Any, kept: Any) -> Packed:
   return Packed(tuple(vectors), jax.tree.unflatten(layout.treedef, skeleton), layout)
 
 
-def leaf_dtypes(stored: Any) -> list[Any]:
-  """The dtype each leaf of the tree of ``stored`` (a :class:`Packed`, or a tree) has there."""
-  if not isinstance(stored, Packed):
-    return [jnp.result_type(x) for x in jax.tree.leaves(stored)]
-  kept = iter(jax.tree.leaves(stored.skeleton))
-  return [jnp.result_type(stored.vectors[s.bucket]) if s is not None
-          else jnp.result_type(next(kept)) for s in stored.layout.slots]
-
-
-def pack_like(stored: Any, tree: Any) -> Any:
-  """``tree`` kept as ``stored`` is: in its buckets if it is a :class:`Packed`."""
-  return stored.layout.pack(tree) if isinstance(stored, Packed) else tree
-
-
 def unwrapped(tree: Any) -> Any:
   """``tree`` with each Flax NNX Variable replaced by its value (flax imported or not)."""
   nnx = sys.modules.get("flax.nnx")

@@ -142,8 +142,7 @@ def _empty_window(options: _Options, grads_like: Any, kinds: Any, packed: bool) 
   """The window's total, empty: zeros of the gradient's tree, or of its buckets."""
   if not packed:
     return _core.init(grads_like, options.accumulator_dtype, kinds).total
-  grads_like = _layout.unwrapped(grads_like)
-  layout = _layout.plan(grads_like, kinds)
+  layout = _layout.plan(grads_like, kinds)  # NNX Variables unwrapped
   leaves = jax.tree.leaves(grads_like)
   dtypes = _layout.packed_keys(layout.slots, len(layout.sizes), [
       jnp.result_type(x) if _core.is_statistic(k) else

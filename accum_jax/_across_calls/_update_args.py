@@ -45,12 +45,6 @@ def check_tree_matches(grads: Any, like: Any) -> None:
       )
 
 
-def check_flag(value: Any, name: str) -> bool:
-  if not isinstance(value, (bool, np.bool_)):
-    raise ValueError(f"{name}={value!r} must be True or False.")
-  return bool(value)
-
-
 def check_layout(layout: Any, layouts: tuple[str, ...]) -> str:
   if layout == "flat":
     raise ValueError(
