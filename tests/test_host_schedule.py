@@ -430,6 +430,17 @@ def test_the_packed_state_is_a_few_buffers_and_changes_no_arithmetic():
   assert int(optax.tree.get(ours[1], "count")) == 2
 
 
+def test_the_packed_states_structure_does_not_grow_with_the_trees_leaves():
+  # A jitted call flattens, compares and rebuilds its arguments' structure on every
+  # call: the packed state's must not hold a node per leaf of the tree.
+  def nodes(leaves):
+    params = {f"w{i}": jnp.ones(3) for i in range(leaves)}
+    state = PACKED.init(params)
+    return jax.tree.structure(state).num_nodes, len(jax.tree.leaves(state))
+
+  assert nodes(100) == nodes(4)
+
+
 def test_sharded_parameters_keep_a_tree_placed_like_them_and_packed_is_refused():
   devices = jax.devices()
   if len(devices) < 2:

@@ -96,7 +96,7 @@ class Layout:
     vectors = []
     for bucket in range(len(self.sizes)):
       vectors.append(jnp.concatenate(parts[bucket]) if len(parts[bucket]) > 1 else parts[bucket][0])
-    return Packed(tuple(vectors), jax.tree.unflatten(self.treedef, skeleton), self)
+    return Packed(tuple(vectors), _pruned(jax.tree.unflatten(self.treedef, skeleton)), self)
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["vectors", "skeleton"],
@@ -107,10 +107,10 @@ class Packed:
 
   Attributes:
     vectors: the buckets, one 1-D array each.
-    skeleton: the tree itself, each bucketed leaf replaced by None: its
-      containers, and the leaves kept as they are (scalars, weakly typed leaves),
-      stay where they were, so that ``optax.tree.get`` finds an inner optimizer's
-      ``count`` or hyperparameters.
+    skeleton: the tree itself, each subtree of bucketed leaves replaced by None:
+      the leaves kept as they are (scalars, weakly typed leaves), and the containers
+      on the way to them, stay where they were, so that ``optax.tree.get`` finds an
+      inner optimizer's ``count`` or hyperparameters.
     layout: the :class:`Layout` (static).
   """
 
@@ -193,7 +193,19 @@ def packed_with(layout: Layout, vectors: Any, kept: Any) -> Packed:
   """A :class:`Packed` of ``layout`` from its buckets and its kept leaves, in order."""
   kept = iter(kept)
   skeleton = [next(kept) if slot is None else None for slot in layout.slots]
-  return Packed(tuple(vectors), jax.tree.unflatten(layout.treedef, skeleton), layout)
+  return Packed(tuple(vectors), _pruned(jax.tree.unflatten(layout.treedef, skeleton)), layout)
+
+
+def _pruned(tree: Any) -> Any:
+  """``tree`` with each subtree that holds no leaf replaced by None: a skeleton keeps
+  only the containers on the way to a kept leaf, so that flattening a state on each
+  jitted call walks a few nodes, not one per bucketed leaf."""
+  if not jax.tree.leaves(tree):
+    return None
+  children, node = jax.tree.flatten(tree, is_leaf=lambda x: x is not tree)
+  if jax.tree_util.treedef_is_leaf(node):
+    return tree
+  return jax.tree.unflatten(node, [_pruned(child) for child in children])
 
 
 def unwrapped(tree: Any) -> Any:
