@@ -25,11 +25,13 @@ import jax
 import optax
 import pytest
 
+import accum_jax
 from accum_jax._across_calls._state import COUNTS, SUMS
 from accum_jax.testing import copied_shapes, kernel_counts
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 HAND = "hand-written lax.cond accumulator"
+PACKED_DEVICE = "accumulate(sgd, layout='packed'), device schedule"
 
 
 def _import(name: str):
@@ -54,8 +56,11 @@ def micro_step_programs():
   params = models.gpt2_tree(vocab=32, context=4)
   tokens = jax.numpy.arange(5) % 32
   candidates = bench.across_candidates(bench.EVERY_K, optax.sgd(0.1))
+  # The default state of one device, which these tests' eight devices do not give.
+  candidates[PACKED_DEVICE] = bench._transformation(
+      accum_jax.accumulate(optax.sgd(0.1), every_k=bench.EVERY_K, layout="packed"))
   programs = {}
-  for name in (bench.FLOOR, bench.HOST, bench.DEVICE, HAND):
+  for name in (bench.FLOOR, bench.HOST, bench.DEVICE, PACKED_DEVICE, HAND):
     row, _ = bench.build_row(candidates[name], models.loss_fn, params, tokens, bench.EVERY_K)
     programs[name] = row.programs[row.applies[0]]  # a call that only accumulates
   return programs
@@ -99,8 +104,11 @@ def test_the_device_schedule_keeps_one_conditional_and_copies_no_leaf(bench, pro
   counts = _counts(programs)
   device, hand = counts[bench.DEVICE], counts[HAND]
   assert device.conditionals == 1 and hand.conditionals == 1
-  # The window's sum carried through the conditional as the updates: no leaf copied.
+  assert counts[PACKED_DEVICE].conditionals == 1
+  # The window's sum carried through the conditional as the updates (a packed window:
+  # buckets made for them): no leaf copied.
   assert _leaf_copies(programs[bench.DEVICE]) == []
+  assert _leaf_copies(programs[PACKED_DEVICE]) == []
 
 
 # ---------------------------------------------------------------------------
@@ -136,6 +144,22 @@ def test_the_device_schedule_s_micro_step_makes_a_pass_a_leaf_more_than_the_floo
   """
   counts = _counts(programs)
   floor, device = counts[bench.FLOOR], counts[bench.DEVICE]
+  assert device.fusions <= 1.15 * floor.fusions, (device, floor)
+
+
+@pytest.mark.xla_fact
+def test_the_packed_device_schedule_s_micro_step_makes_a_pass_a_leaf_more_than_the_floor(
+    programs):
+  """The same bound for the packed state (the default on one device): the updates
+  come out of the conditional in buckets made for them, zeros where the window
+  holds, so that nothing computed before the conditional is read again after it
+  (1614 against the floor's 1459 on JAX 0.10.2; carried in the gradient, which
+  the window's add reads too, 1761).
+
+  On a JAX upgrade that changes it: as above.
+  """
+  counts = _counts(programs)
+  floor, device = counts[bench_module().FLOOR], counts[PACKED_DEVICE]
   assert device.fusions <= 1.15 * floor.fusions, (device, floor)
 
 

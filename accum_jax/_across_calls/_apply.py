@@ -134,6 +134,8 @@ def device_step(options, call, state, window) -> Inner:
 
     def update(stored, last_noise, carrier):
       updates, new_state, noise = _emit(options, call, branch, stored)
+      if isinstance(carrier, _layout.Packed):
+        return carrier.layout.pack(_cast_like(updates, update_shapes)), new_state, noise
       return _cast_like(updates, carrier), new_state, noise
 
     def refuse(stored, last_noise, carrier):
@@ -153,12 +155,15 @@ def device_step(options, call, state, window) -> Inner:
   out, inner_state, noise, applied = jax.lax.cond(
       window.apply, emit, hold, state.inner_opt_state, acc, window.value_accumulator,
       state.last_noise, carrier, window.apply)
+  total = out if is_sum else None
+  if isinstance(out, _layout.Packed):
+    out = out.unpack(jax.tree.structure(update_shapes))
   updates = jax.tree.map(lambda u, x: jnp.where(applied, u, jnp.zeros((), u.dtype)).astype(
       x.dtype), out, update_shapes)
   # Where the sum carried the updates, the state's next total is what came out: the
   # sum where the window holds; the updates where it ended (not read: its count
   # restarts).
-  return Inner(updates, inner_state, noise, applied, out if is_sum else None)
+  return Inner(updates, inner_state, noise, applied, total)
 
 
 def _carrier(update_shapes: Any, call: Any, total: Any) -> tuple[Any, bool]:
@@ -167,9 +172,10 @@ def _carrier(update_shapes: Any, call: Any, total: Any) -> tuple[Any, bool]:
   after. The window's sum kept as a tree is (the state's next total is what comes
   out of the conditional), where its dtypes hold the updates exactly: the inner
   update writes each leaf's update from that leaf's sum, in place. A packed sum is
-  read back through slices, not in place: there the gradient carries them, which is
-  added into the window before the conditional, so that its buffers (a gradient
-  taken in the step, or donated) can take the updates. Else zeros made outside."""
+  read back through slices, not in place: there buckets of zeros made for the updates
+  carry them (the gradient would do, but the window's add reads it too, so XLA would
+  write each of its leaves out for the conditional: a pass a leaf). Else zeros made
+  outside, or the gradient."""
   structure: Any = jax.tree.structure(update_shapes)
   same_tree = structure == jax.tree.structure(call.grads)
   shapes = jax.tree.leaves(update_shapes)
@@ -177,7 +183,20 @@ def _carrier(update_shapes: Any, call: Any, total: Any) -> tuple[Any, bool]:
       jnp.promote_types(u.dtype, t.dtype) == t.dtype
       for u, t in zip(shapes, jax.tree.leaves(total))):
     return total, True
+  if same_tree and isinstance(total, _layout.Packed):
+    layout = _layout.plan(update_shapes)
+    return _layout.packed_with(
+        layout, [jnp.zeros(n, d) for n, d in zip(layout.sizes, _bucket_dtypes(layout))],
+        [jnp.zeros(x.shape, x.dtype) for x, s in zip(shapes, layout.slots) if s is None]), False
   if same_tree and all(u.shape == jnp.shape(g) and u.dtype == jnp.result_type(g)
                        for u, g in zip(shapes, jax.tree.leaves(call.grads))):
     return call.grads, False
   return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), update_shapes), False
+
+
+def _bucket_dtypes(layout: _layout.Layout) -> list[Any]:
+  dtypes: list[Any] = [None] * len(layout.sizes)
+  for slot in layout.slots:
+    if slot is not None:
+      dtypes[slot.bucket] = slot.dtype
+  return dtypes
