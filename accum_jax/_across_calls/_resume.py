@@ -19,12 +19,17 @@ whose subtrees hold only some of the parameters.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Protocol
 
 import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
+
+from accum_jax._across_calls import _convert, _layout
+from accum_jax._across_calls._state import AccumulationState
 
 KeyPath = tuple[Any, ...]
 
@@ -220,3 +225,169 @@ def abstract_state(opt: _HasInit, params: Any) -> Any:
     )
   index = _ParamIndex(params)
   return _abstract_tree(jax.eval_shape(init, index.abstract), index)
+
+
+def _key(entry: Any) -> Any:
+  """A key path entry as Orbax's metadata tree names it (dicts, then lists)."""
+  for attr in ("key", "name", "idx"):
+    if hasattr(entry, attr):
+      value = getattr(entry, attr)
+      return value if isinstance(value, int) else str(value)
+  return str(entry)
+
+
+def _signature(tree: Any) -> dict[tuple[Any, ...], tuple[tuple[int, ...], Any]]:
+  """Each leaf of ``tree`` (a target, or Orbax's metadata) by its path: shape, dtype."""
+  return {tuple(_key(k) for k in path): (tuple(leaf.shape), np.dtype(leaf.dtype))
+          for path, leaf in jax.tree.leaves_with_path(tree) if hasattr(leaf, "shape")}
+
+
+def _saved_at(saved: Any, path: tuple[Any, ...]) -> Any:
+  for key in path:
+    try:
+      saved = saved[key]
+    except (KeyError, IndexError, TypeError):
+      return None
+  return saved
+
+
+def _kind(saved: Any) -> str | None:
+  """Which accumulate state ``saved`` (a node of Orbax's metadata) holds, by its fields."""
+  if not isinstance(saved, dict):
+    return None
+  if "accumulator" in saved and "optimizer_step" in saved:
+    return "0.1.0"
+  window = saved.get("window_total", None) if "counts" in saved else None
+  if isinstance(window, dict) and "vectors" in window and set(window) <= {"vectors", "skeleton"}:
+    return "packed"
+  return "tree" if "window_total" in saved else None
+
+
+def _say(entry: Any) -> str:
+  return "nothing" if entry is None else f"{entry[0]} {entry[1]}"
+
+
+def _difference(saved: dict, expected: dict) -> str:
+  """The first leaf where the checkpoint's and the expected leaves differ, in words."""
+  for path in sorted(set(saved) | set(expected), key=str):
+    if saved.get(path) != expected.get(path):
+      name = "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in path)
+      return (f"at {name} it holds {_say(saved.get(path))} where target's would hold"
+              f" {_say(expected.get(path))}")
+  return "their leaves agree"
+
+
+def _contents(saved: Any) -> str:
+  names = sorted(map(str, saved)) if isinstance(saved, dict) else type(saved).__name__
+  return str(names)[:120]
+
+
+def _read_as(saved: Any, target: AccumulationState, params: Any, path: Any, where: str) -> Any:
+  """The target to read one accumulate state with: ``target``, or its state in the
+  layout the checkpoint holds (recognised from its fields, checked leaf by leaf)."""
+  at = f"the checkpoint at {path} holds, at {where or 'its root'},"
+  found = _signature(saved)
+  if found == _signature(target):
+    return target
+  layout = "packed" if isinstance(target.window_total, _layout.Packed) else "tree"
+  kind = _kind(saved)
+  if kind is None:
+    raise ValueError(
+        f"load(path, target): {at} no accum_jax.accumulate state"
+        f" (it holds {_contents(saved)}), where target holds one: pass a target of the tree"
+        " that was saved.")
+  if kind == "packed" and layout == "tree" and params is None:
+    raise ValueError(
+        f"load(path, target): {at} accumulate's state in the packed"
+        " layout (saved with layout='packed', or 'auto' on one device), target's is in the"
+        " tree layout, and the packed layout's buckets follow the parameters' dtypes, which"
+        " a tree target does not hold. Pass the parameters target was built for:"
+        " load(path, target, params=params); or restore with a packed target and convert:"
+        " convert(ocp.v1.load(path, abstract_state(accumulate(inner, every_k,"
+        " layout='packed'), params)), target).")
+  if kind == layout:
+    as_saved: Any = target
+  elif kind == "0.1.0":
+    as_saved = _convert.v010_like(target)
+  else:
+    as_saved = _convert.tree_like(target) if kind == "tree" else _convert.packed_like(
+        target, params)
+  if _signature(as_saved) != found:
+    saved_as = "accum_jax 0.1.0's state" if kind == "0.1.0" else (
+        f"accumulate's state in the {kind} layout")
+    raise ValueError(
+        f"load(path, target): {at} {saved_as}, not of target's"
+        f" optimizer and parameters: {_difference(found, _signature(as_saved))}. Build target"
+        " with the optimizer (its inner optimizer, reduction and accumulator_dtype) and the"
+        " parameters that saved it.")
+  if kind == "0.1.0":
+    _convert.check_v010_target(target, where)
+  return as_saved
+
+
+def load(path: Any, target: Any, *, params: Any = None) -> Any:
+  """Restores a checkpoint with Orbax into ``target``, whatever layout it was saved in.
+
+  ``ocp.v1.load(path, target)`` for a checkpoint of ``target``'s own tree. Where an
+  :func:`accum_jax.accumulate` state was saved in the other layout (``"packed"`` on
+  one device, ``"tree"`` on several), or by accum_jax 0.1.0, that state is read into
+  a target of the layout it holds (recognised from the checkpoint's leaves, each
+  checked against the ones ``target``'s optimizer and parameters make) and moved
+  into ``target``'s by :func:`convert`, exactly. A checkpoint of another optimizer
+  is refused. 0.1.0 counted every call it left out in ``num_skipped`` (now split by
+  cause) and kept no ``window_value`` (0 until the next window is applied).
+
+  See the guide: :doc:`/guides/checkpoints`.
+
+  Args:
+    path: the checkpoint's directory, as ``ocp.v1.save`` (or
+      ``ocp.StandardCheckpointer``) wrote it.
+    target: the tree to restore, with its shardings: :func:`abstract_state`,
+      :func:`abstract_tree`, or arrays.
+    params: the parameters ``target`` was built for (arrays or
+      ``jax.ShapeDtypeStruct``\\ s): needed only to read a packed checkpoint into a
+      tree-layout target, whose buckets follow their dtypes.
+
+  Returns:
+    ``target``'s tree, holding the checkpoint's values.
+
+  Raises:
+    ValueError: for a checkpoint whose accumulate state is not of ``target``'s
+      optimizer and parameters, saying what it holds; or a packed one read into a
+      tree target without ``params``.
+
+  Examples:
+    >>> import tempfile, pathlib, jax.numpy as jnp, optax, orbax.checkpoint as ocp, accum_jax
+    >>> params = {"w": jnp.ones((2, 3))}
+    >>> packed = accum_jax.accumulate(optax.adam(1e-2), every_k=4, layout="packed")
+    >>> tree = accum_jax.accumulate(optax.adam(1e-2), every_k=4, layout="tree")
+    >>> _, state = packed.update({"w": jnp.full((2, 3), 2.0)}, packed.init(params), params)
+    >>> path = pathlib.Path(tempfile.mkdtemp()) / "checkpoint"
+    >>> ocp.v1.save(path, state)
+    >>> target = accum_jax.checkpoint.abstract_state(tree, params)
+    >>> restored = accum_jax.checkpoint.load(path, target, params=params)
+    >>> restored.window_total["w"][0], int(restored.mini_step)
+    (Array([2., 2., 2.], dtype=float32), 1)
+  """
+  try:
+    import orbax.checkpoint as ocp
+  except ImportError as e:
+    raise ImportError("accum_jax.checkpoint.load reads with Orbax: pip install"
+                      " orbax-checkpoint (or accum_jax[flax]).") from e
+  if isinstance(path, str | os.PathLike) and "://" not in os.fspath(path):
+    path = Path(path).absolute()  # Orbax reads absolute paths only
+  saved = ocp.v1.metadata(path).metadata
+  sites = jax.tree_util.tree_flatten_with_path(target, is_leaf=_convert.is_state)[0]
+  read, converting = [], False
+  for key_path, node in sites:
+    if isinstance(node, AccumulationState):
+      where = jax.tree_util.keystr(key_path)
+      as_saved = _read_as(_saved_at(saved, tuple(_key(k) for k in key_path)), node, params,
+                          path, where)
+      converting |= as_saved is not node
+      node = as_saved
+    read.append(node)
+  if not converting:
+    return ocp.v1.load(path, target)
+  structure = jax.tree.structure(target, is_leaf=_convert.is_state)
+  return _convert.convert(ocp.v1.load(path, jax.tree.unflatten(structure, read)), target)
