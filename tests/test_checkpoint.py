@@ -18,6 +18,8 @@ checkpoint, trains to the end and saves the final state's leaves.
 from __future__ import annotations
 
 import functools
+import importlib.util
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +30,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from linen_model import NET, TrainState, loss_fn
 
 import accum_jax
@@ -161,6 +166,182 @@ def test_multisteps_resumed_mid_window_in_a_fresh_process_is_bitwise_equal(tmp_p
 
 def test_value_and_grad_loop_resumed_between_steps_in_a_fresh_process_is_bitwise_equal(tmp_path):
   _run_test("value_and_grad", tmp_path)
+
+
+# ---------------------------------------------------------------------------
+# The other layout, and accum_jax 0.1.0: convert and load.
+#
+# One optimizer in both layouts, the tiny tree of tests/data/make_v010_checkpoint.py
+# (two float32 leaves, whose window holds a weighted sum, and a bfloat16 one, whose
+# window holds the weighted mean), its gradients, weights and values.
+
+DATA = Path(__file__).resolve().parent / "data"
+_spec = importlib.util.spec_from_file_location("make_v010_checkpoint",
+                                               DATA / "make_v010_checkpoint.py")
+V010 = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(V010)
+LAYOUTS = ("packed", "tree")
+LAYOUT_OPTIMIZERS = {
+    layout: accum_jax.accumulate(optax.adam(1e-2), every_k=V010.EVERY_K, accumulator_dtype=None,
+                                 layout=layout)
+    for layout in LAYOUTS
+}
+
+
+@functools.partial(jax.jit, static_argnames=("layout", "apply"))
+def _layout_step(train, call_grads, weight, value, layout, apply):
+  updates, state = LAYOUT_OPTIMIZERS[layout].update(
+      call_grads, train["opt_state"], train["params"], weight=weight, value=value, apply=apply)
+  return {"params": optax.apply_updates(train["params"], updates), "opt_state": state}
+
+
+def _fresh(layout: str) -> dict[str, Any]:
+  params = V010.params()
+  return {"params": params, "opt_state": LAYOUT_OPTIMIZERS[layout].init(params)}
+
+
+def _target(layout: str) -> dict[str, Any]:
+  params = V010.params()
+  return {"params": params,
+          "opt_state": accum_jax.checkpoint.abstract_state(LAYOUT_OPTIMIZERS[layout], params)}
+
+
+def _continue(train: dict[str, Any], layout: str, calls: range) -> dict[str, Any]:
+  schedule = accum_jax.HostSchedule(train["opt_state"])
+  for call in calls:
+    train = _layout_step(train, V010.grads(call), jnp.float32(V010.WEIGHTS[call]),
+                         jnp.float32(V010.VALUES[call]), layout, schedule.next())
+  return train
+
+
+def _assert_bitwise_equal(a: Any, b: Any) -> None:
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  for (path, x), y in zip(jax.tree.leaves_with_path(a), jax.tree.leaves(b)):
+    assert x.dtype == y.dtype and np.array_equal(np.asarray(x), np.asarray(y)), (
+        f"at {jax.tree_util.keystr(path)}")
+
+
+def _assert_same_window(a: accum_jax.AccumulationState, b: accum_jax.AccumulationState) -> None:
+  """The same window, counters and inner state, each state read in its own layout."""
+  _assert_bitwise_equal(a.acc_grads, b.acc_grads)
+  _assert_bitwise_equal((a.counts, a.sums), (b.counts, b.sums))
+  _assert_bitwise_equal(accum_jax._across_calls._layout.tree_of(a.inner_opt_state),
+                        accum_jax._across_calls._layout.tree_of(b.inner_opt_state))
+
+
+@pytest.mark.parametrize(("saved", "resumed"), [("packed", "tree"), ("tree", "packed")])
+def test_convert_moves_a_window_between_layouts_and_it_finishes_bit_for_bit(saved, resumed):
+  uninterrupted = _continue(_fresh(resumed), resumed, range(V010.EVERY_K))
+  stopped = _continue(_fresh(saved), saved, range(V010.SAVED_AFTER))
+  target = jax.eval_shape(lambda: _fresh(resumed))
+  with jax.transfer_guard("disallow"):  # nothing goes through the host
+    moved = accum_jax.checkpoint.convert(stopped, target)
+  assert type(moved["opt_state"].window_total) is type(target["opt_state"].window_total)
+  assert all(isinstance(x, jax.Array) for x in jax.tree.leaves(moved))
+  _assert_same_window(moved["opt_state"], _continue(_fresh(resumed), resumed,
+                                                    range(V010.SAVED_AFTER))["opt_state"])
+  assert int(moved["opt_state"].mini_step) == V010.SAVED_AFTER
+  finished = _continue(moved, resumed, range(V010.SAVED_AFTER, V010.EVERY_K))
+  assert int(accum_jax.optimizer_step(finished["opt_state"])) == 1
+  _assert_bitwise_equal(finished, uninterrupted)
+
+
+def test_convert_there_and_back_gives_the_state_back_in_an_optax_chain():
+  opt = optax.chain(optax.clip(1.0), LAYOUT_OPTIMIZERS["packed"])
+  state = opt.init(V010.params())
+  state = (state[0], _continue(_fresh("packed"), "packed", range(3))["opt_state"])
+  tree = optax.chain(optax.clip(1.0), LAYOUT_OPTIMIZERS["tree"])
+  there = accum_jax.checkpoint.convert(state, jax.eval_shape(tree.init, V010.params()))
+  assert isinstance(there[1].window_total, dict) and isinstance(there[1].inner_opt_state, tuple)
+  back = accum_jax.checkpoint.convert(there, jax.eval_shape(opt.init, V010.params()))
+  _assert_bitwise_equal(back, state)
+
+
+@pytest.mark.parametrize(("saved", "resumed"), [("packed", "tree"), ("tree", "packed")])
+def test_a_mid_window_checkpoint_of_one_layout_loads_into_the_other(tmp_path, saved, resumed):
+  uninterrupted = _continue(_fresh(resumed), resumed, range(V010.EVERY_K))
+  ocp.v1.save(tmp_path / "checkpoint", _continue(_fresh(saved), saved, range(V010.SAVED_AFTER)))
+  restored = accum_jax.checkpoint.load(tmp_path / "checkpoint", _target(resumed),
+                                       params=V010.params())
+  assert int(restored["opt_state"].mini_step) == V010.SAVED_AFTER
+  finished = _continue(restored, resumed, range(V010.SAVED_AFTER, V010.EVERY_K))
+  _assert_bitwise_equal(finished, uninterrupted)
+
+
+def test_a_packed_checkpoint_of_one_device_loads_sharded_over_two(tmp_path):
+  # Saved on one device (packed), resumed with the parameters sharded over the mesh
+  # (tree): each parameter-shaped leaf comes back sharded like its parameter.
+  stopped = _continue(_fresh("packed"), "packed", range(V010.SAVED_AFTER))
+  ocp.v1.save(tmp_path / "checkpoint", stopped)
+  mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+  specs = {"b": P(), "s": P("data"), "w": P("data", None)}
+  params = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(mesh, specs[k]))
+            for k, v in V010.params().items()}
+  target = {"params": params,
+            "opt_state": accum_jax.checkpoint.abstract_state(LAYOUT_OPTIMIZERS["tree"], params)}
+  restored = accum_jax.checkpoint.load(tmp_path / "checkpoint", target, params=params)
+  state = restored["opt_state"]
+  assert state.window_total["w"].sharding.spec == P("data", None)
+  assert state.inner_opt_state[0].nu["s"].sharding.spec == P("data")
+  assert state.counts.sharding.spec == P() and len(state.counts.sharding.device_set) == mesh.size
+  _assert_same_window(state, stopped["opt_state"])
+  _assert_bitwise_equal(restored["params"], stopped["params"])
+
+
+def test_a_packed_checkpoint_into_a_tree_target_without_params_says_to_pass_them(tmp_path):
+  ocp.v1.save(tmp_path / "checkpoint", _continue(_fresh("packed"), "packed", range(1)))
+  with pytest.raises(ValueError, match=re.escape(
+      "holds, at ['opt_state'], accumulate's state in the packed layout (saved with"
+      " layout='packed', or 'auto' on one device), target's is in the tree layout")) as error:
+    accum_jax.checkpoint.load(tmp_path / "checkpoint", _target("tree"))
+  assert "load(path, target, params=params)" in str(error.value)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_0_1_0_checkpoint_loads_and_finishes_its_window_as_0_1_0_did(layout):
+  restored = accum_jax.checkpoint.load(DATA / "v010_checkpoint", _target(layout))
+  state = restored["opt_state"]
+  assert isinstance(state, accum_jax.AccumulationState)
+  counters = (int(state.mini_step), int(state.optimizer_step), float(state.window_weight))
+  assert counters == (2, 0, 3.0)
+  # The window (a sum of the float32 leaves, the bfloat16 leaf's mean) is the one this
+  # release makes from the same two calls, bit for bit.
+  _assert_same_window(state, _continue(_fresh(layout), layout,
+                                       range(V010.SAVED_AFTER))["opt_state"])
+  finished = _continue(restored, layout, range(V010.SAVED_AFTER, V010.EVERY_K))
+  assert int(accum_jax.optimizer_step(finished["opt_state"])) == 1
+  with np.load(DATA / "v010_expected.npz") as expected:
+    for name, value in finished["params"].items():
+      assert np.array_equal(np.asarray(value, np.float32), expected[f"params/{name}"]), name
+
+
+def test_a_state_of_another_optimizer_is_refused_naming_what_differs(tmp_path):
+  sgd = accum_jax.accumulate(optax.sgd(0.1), every_k=V010.EVERY_K, accumulator_dtype=None,
+                             layout="tree")
+  with pytest.raises(ValueError, match=re.escape(
+      "convert(state, target): the inner optimizer's state of state['opt_state'] is not the"
+      " one target['opt_state'] holds: its tree is")):
+    accum_jax.checkpoint.convert(_fresh("packed"), jax.eval_shape(
+        lambda: {"params": V010.params(), "opt_state": sgd.init(V010.params())}))
+  other_params = {**V010.params(), "w": jnp.zeros((3, 2))}
+  with pytest.raises(ValueError, match=re.escape(
+      "the window's sum of state['opt_state'] is not the one target['opt_state'] holds: its"
+      " leaf at ['w'] is (2, 3) float32, target's (3, 2) float32")):
+    accum_jax.checkpoint.convert(_fresh("packed"), jax.eval_shape(
+        lambda: {"params": other_params,
+                 "opt_state": LAYOUT_OPTIMIZERS["tree"].init(other_params)}))
+  target = {"params": V010.params(),
+            "opt_state": accum_jax.checkpoint.abstract_state(sgd, V010.params())}
+  with pytest.raises(ValueError, match=re.escape(
+      "holds, at ['opt_state'], accum_jax 0.1.0's state, not of target's optimizer and"
+      " parameters: at .inner_opt_state[0].count it holds () int32 where target's would hold"
+      " nothing")):
+    accum_jax.checkpoint.load(DATA / "v010_checkpoint", target)
+  ocp.v1.save(tmp_path / "checkpoint", _fresh("tree"))
+  with pytest.raises(ValueError, match=re.escape(
+      "holds, at ['opt_state'], accumulate's state in the tree layout, not of target's"
+      " optimizer and parameters")):
+    accum_jax.checkpoint.load(tmp_path / "checkpoint", target)
 
 
 if __name__ == "__main__":
