@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import operator
 import sys
 from typing import Any
 
@@ -202,10 +203,10 @@ def _pruned(tree: Any) -> Any:
   jitted call walks a few nodes, not one per bucketed leaf."""
   if not jax.tree.leaves(tree):
     return None
-  children, node = jax.tree.flatten(tree, is_leaf=lambda x: x is not tree)
+  children, node = jax.tree.flatten(tree, is_leaf=functools.partial(operator.is_not, tree))
   if jax.tree_util.treedef_is_leaf(node):
     return tree
-  return jax.tree.unflatten(node, [_pruned(child) for child in children])
+  return jax.tree.unflatten(node, list(map(_pruned, children)))
 
 
 def unwrapped(tree: Any) -> Any:
