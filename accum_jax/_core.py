@@ -2,7 +2,7 @@
 
 Both front doors, :func:`accum_jax.accumulate` (across calls) and
 :func:`accum_jax.value_and_grad` (inside one step), keep an :class:`Accumulator`
-and use the functions below (init, add, result, empty, merge). The algorithm, for
+and use the functions below (init, add, result, merge). The algorithm, for
 microbatch gradients ``g_i`` with weights ``w_i``::
 
   total, weight = 0, 0                     # total in the accumulator dtype, weight in float32
@@ -89,8 +89,8 @@ class Accumulator(NamedTuple):
     weight: ``sum(w_i)``; shape=(), dtype=float32.
     count: number of pytrees offered and not skipped, zero weights included;
       shape=(), dtype=int32.
-    num_skipped: number of non-finite pytrees refused, never reset by
-      :func:`empty`; shape=(), dtype=int32.
+    num_skipped: number of non-finite pytrees refused, never reset when a
+      window ends; shape=(), dtype=int32.
   """
 
   total: Any
@@ -261,6 +261,7 @@ def add(
     refuse_nonfinite: bool = True,
     accept: jax.typing.ArrayLike = True,
     kinds: Any = None,
+    leafwise: Any = None,
 ) -> tuple[Accumulator, jax.Array]:
   """Adds ``weight * tree`` to ``acc``, unless it is non-finite (across calls).
 
@@ -275,6 +276,8 @@ def add(
       skipped and counted like a non-finite one.
     kinds: per leaf, see :func:`per_leaf`; a "max" or "last" leaf takes the
       leaf of ``tree`` as it is, unweighted.
+    leafwise: how the elementwise ``add_leaf(total, x, kind)`` is mapped over
+      ``acc.total`` and ``tree`` (default: by ``kinds``; buckets: ``Packed.added``).
 
   Returns:
     The new accumulator, and whether ``tree`` was added (a bool scalar).
@@ -305,7 +308,7 @@ def add(
     # `where`, not a product with `keep`: 0 * NaN is NaN.
     return jnp.where(keep, new, total)
 
-  total = _map_kinds(add_leaf, kinds, acc.total, tree)
+  total = _map_kinds(add_leaf, kinds, acc.total, tree) if leafwise is None else leafwise(add_leaf)
   return _counted(acc, admission, total, new_weight), keep
 
 
@@ -451,16 +454,6 @@ def sum_fits(acc: Accumulator, like: Any, kinds: Any = None) -> jax.Array:
       largest = largest * acc.weight
     checks.append(largest <= float(jnp.finfo(x.dtype).max))
   return jnp.all(jnp.stack(checks))
-
-
-def empty(acc: Accumulator) -> Accumulator:
-  """An empty accumulator with the same structure, dtypes and skip count."""
-  return Accumulator(
-      total=jax.tree.map(jnp.zeros_like, acc.total),
-      weight=jnp.zeros_like(acc.weight),
-      count=jnp.zeros_like(acc.count),
-      num_skipped=acc.num_skipped,
-  )
 
 
 def merge(acc: Accumulator, axis_name: Any, kinds: Any = None) -> Accumulator:

@@ -115,17 +115,6 @@ def test_result_mean_of_an_empty_accumulator_is_zero_not_nan():
   tree_allclose(mean, jax.tree.map(jnp.zeros_like, params))
 
 
-def test_empty_clears_the_window_and_keeps_num_skipped():
-  params = make_params(jnp.bfloat16)
-  (g,) = microbatch_grads(params, 1)
-  acc, _ = _add(_init(params), g, jnp.float32(1.0))
-  acc, _ = _add(acc, _nan_like(g), jnp.float32(1.0))
-  cleared = jax.jit(_core.empty)(acc)
-  tree_allclose(cleared.total, jax.tree.map(jnp.zeros_like, acc.total))
-  assert (float(cleared.weight), int(cleared.count), int(cleared.num_skipped)) == (0.0, 0, 1)
-  assert jax.tree.map(lambda x: x.dtype, cleared) == jax.tree.map(lambda x: x.dtype, acc)
-
-
 def test_all_finite():
   params = make_params()
   assert bool(_core.all_finite(params))

@@ -20,7 +20,7 @@ import pytest
 from helpers import make_params, microbatch_grads, tree_allclose, tree_weighted_mean
 
 import accum_jax
-from accum_jax.testing import opcode_counts
+from accum_jax.testing import _hlo, opcode_counts
 
 K = 4
 
@@ -439,6 +439,26 @@ def test_the_packed_states_structure_does_not_grow_with_the_trees_leaves():
     return jax.tree.structure(state).num_nodes, len(jax.tree.leaves(state))
 
   assert nodes(100) == nodes(4)
+
+
+@pytest.mark.xla_fact
+def test_the_windows_sum_is_one_bucket_each_leaf_added_where_it_lies():
+  # Twelve leaves of 80 KiB, past the inner state's eight to a bucket: the sum holds
+  # them in one, and a call adds each leaf into its slice in place, a
+  # dynamic-update-slice that reads the bucket only at the offset it writes (a
+  # static slice of it would make XLA write the whole bucket out for each leaf).
+  params = {f"w{i}": jnp.ones((128, 160)) for i in range(12)}
+  state = PACKED.init(params)
+  assert len(state.window_total.vectors) == 1
+  step = jax.jit(lambda g, s: PACKED.update(g, s, params, apply=False)[1],
+                 donate_argnums=1)
+  program = _hlo.parse(step.lower(params, state).compile().as_text())
+  adds = [c for c in program.values()
+          if c.root and c.instructions[c.root].opcode == "dynamic-update-slice"
+          and c.instructions[c.root].shape.startswith("f32[245760]")]
+  assert len(adds) == 12
+  assert not [i.line for c in adds for i in c.instructions.values()
+                 if i.opcode == "slice" and i.shape.startswith("f32")]
 
 
 def test_sharded_parameters_keep_a_tree_placed_like_them_and_packed_is_refused():

@@ -34,9 +34,9 @@ class Inner(NamedTuple):
 
 def _inner_update(options, call, inner_state, acc, value_window):
   """The inner optimizer's update on the window's gradient (and `value`)."""
-  grads = _core.result(acc, call.packed, call.kinds)
-  if isinstance(grads, _layout.Packed):
-    grads = grads.unpack(jax.tree.structure(call.grads))
+  if isinstance(acc.total, _layout.Packed):  # its leaves: slices of its buckets
+    acc = acc._replace(total=acc.total.unpack(jax.tree.structure(call.grads)))
+  grads = _core.result(acc, call.grads, call.grad_kinds)
   window_args = {}
   if value_window is not None:
     window_args["value"] = _core.result(value_window, call.value, options.value_reduction)

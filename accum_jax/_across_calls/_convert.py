@@ -288,7 +288,8 @@ def packed_like(target: AccumulationState, params: Any) -> AccumulationState:
 
   def pack(t, params):
     grads_like = params.fast if isinstance(params, optax.LookaheadParams) else params
-    layout = _layout.plan(grads_like, t.reductions.kinds if t.reductions else None)
+    layout = _layout.plan(grads_like, t.reductions.kinds if t.reductions else None,
+                          added=True)
     total = jax.tree.leaves(_layout.unwrapped(t.window_total))
     if len(total) != len(layout.slots):
       raise ValueError(

@@ -47,7 +47,7 @@ def repack(packed: _layout.Packed, tree: Any) -> _layout.Packed:
     old = next(kept)  # a weakly typed leaf stays as the update made it
     weak = getattr(jax.typeof(old), "weak_type", False)
     cast.append(x if weak else jax.lax.convert_element_type(x, jnp.result_type(old)))
-  return packed.layout.pack(cast)
+  return packed.layout.pack(cast, like=packed)
 
 
 def sharded_like(tree: Any, params: Any) -> Any:

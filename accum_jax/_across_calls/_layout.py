@@ -7,16 +7,26 @@ on every call. With ``layout="packed"`` the accumulator and the inner optimizer'
 state are kept as a few 1-D vectors, *buckets*, planned once from the tree::
 
   for each kind of leaf (its dtype, and how it combines), in the tree's order:
-    leaves of at most SMALL_LEAF bytes share buckets of at most SMALL_BUCKET bytes
-    the other leaves go FUSED_LEAVES to a bucket
+    the window's sum: one bucket (of at most MAX_BUCKET elements)
+    the inner state: leaves of at most SMALL_LEAF bytes share buckets of at most
+      SMALL_BUCKET bytes, the other leaves go FUSED_LEAVES to a bucket
 
-A bucket is written with a concatenate of its leaves (a gradient added into the
-accumulator, the inner state put back after an update) and read with slices,
-which XLA fuses into their readers. XLA:CPU fuses a concatenate of at most eight
-operands into the add that reads it (``kMaxConcatenateArguments`` in its
-instruction fusion), so a bucket of at most eight leaves is added to in place,
-with no copy of the gradient; a longer concatenate is materialized first, so
-only small leaves share one, a temporary of at most ``SMALL_BUCKET`` bytes.
+The window's sum is added into leaf by leaf (:meth:`Packed.added`): each leaf's
+slice of its bucket is read, added to and written back with a
+``dynamic_update_slice`` at the same offset, which XLA performs in place in the
+donated bucket, so a bucket can hold every leaf of its kind. The offsets are
+hidden from XLA's simplifier: with constant ones it turns the read into a static
+slice, which no longer matches the write, and each write then copies the whole
+bucket.
+
+The inner state is written whole by the inner optimizer's update and put back with
+a concatenate of its leaves, read with slices, which XLA fuses into their readers.
+XLA:CPU fuses a concatenate of at most eight operands into what computes them
+(``kMaxConcatenateArguments`` in its instruction fusion), so a bucket of at most
+eight leaves is written in place, with no copy of the state; a longer concatenate
+is materialized first, so only small leaves share one, a temporary of at most
+``SMALL_BUCKET`` bytes. (A ``dynamic_update_slice`` per leaf is no way out there:
+the update reads the old state before the writes, and each write copies the bucket.)
 
 ``layout="tree"`` keeps every leaf as a buffer of its own, with its shape and
 sharding: the layout for parameters sharded over devices, whose state a vector
@@ -44,6 +54,7 @@ import jax.numpy as jnp
 FUSED_LEAVES = 8
 SMALL_LEAF = 1 << 16  # bytes
 SMALL_BUCKET = 1 << 20  # bytes
+MAX_BUCKET = (1 << 31) - 1  # elements: a bucket's offsets are int32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,19 +95,26 @@ class Layout:
     return self is other or (isinstance(other, Layout) and self._hash == other._hash  # type: ignore[attr-defined]
                              and self._fields == other._fields)  # type: ignore[attr-defined]
 
-  def pack(self, tree: Any) -> Packed:
-    """``tree`` (of this layout's leaves, in any container) as a :class:`Packed`."""
+  def pack(self, tree: Any, like: Packed | None = None) -> Packed:
+    """``tree`` (of this layout's leaves, in any container) as a :class:`Packed`;
+    ``like``: a Packed of this layout, whose skeleton the kept leaves take (no
+    pruning on each call)."""
     parts: dict[int, list[Any]] = {}
     skeleton = []  # each leaf kept, or None
+    kept = []
     for leaf, slot in zip(jax.tree.leaves(tree), self.slots):
       if slot is None:
         skeleton.append(leaf)
+        kept.append(leaf)
       else:
         parts.setdefault(slot.bucket, []).append(jnp.ravel(leaf))
         skeleton.append(None)
     vectors = []
     for bucket in range(len(self.sizes)):
       vectors.append(jnp.concatenate(parts[bucket]) if len(parts[bucket]) > 1 else parts[bucket][0])
+    if like is not None:
+      return Packed(tuple(vectors), jax.tree.unflatten(
+          jax.tree.structure(like.skeleton), kept), self)
     return Packed(tuple(vectors), _pruned(jax.tree.unflatten(self.treedef, skeleton)), self)
 
 
@@ -130,6 +148,37 @@ class Packed:
       treedef = self.layout.wrapped if wrapped else self.layout.treedef
     return jax.tree.unflatten(treedef, leaves)
 
+  def added(self, fun: Any, tree: Any) -> Packed:
+    """``fun(old, new, key)`` of each leaf and its leaf of ``tree``, written in place.
+
+    ``fun`` is elementwise (the accumulator's add); it gets each bucketed leaf's
+    slice of its bucket, raveled, with the leaf of ``tree`` raveled, and writes its
+    result back where it was read: a ``dynamic_update_slice`` per leaf, each at the
+    offset it read from (see the module docstring), so that the donated bucket is
+    updated in place with no concatenate of ``tree``.
+    """
+    layout = self.layout
+    buckets = len(layout.sizes)
+    starts = []
+    for slot in layout.slots:
+      starts.append(0 if slot is None else slot.offset)
+    offsets = jax.lax.optimization_barrier(jnp.asarray(starts, jnp.int32))
+    vectors = list(self.vectors)
+    old_kept = iter(jax.tree.leaves(self.skeleton))
+    kept_keys = iter(layout.keys[buckets:])
+    kept = []
+    for i, (leaf, slot) in enumerate(zip(jax.tree.leaves(tree), layout.slots)):
+      if slot is None:
+        kept.append(fun(next(old_kept), leaf, next(kept_keys)))
+        continue
+      vector, offset = vectors[slot.bucket], offsets[i]
+      part = jax.lax.dynamic_slice_in_dim(vector, offset, math.prod(slot.shape))
+      new = fun(part, jnp.ravel(leaf), layout.keys[slot.bucket]).astype(vector.dtype)
+      vectors[slot.bucket] = jax.lax.dynamic_update_slice_in_dim(vector, new, offset, 0)
+    # The skeleton holds the kept leaves alone, in order.
+    skeleton = jax.tree.unflatten(jax.tree.structure(self.skeleton), kept)
+    return Packed(tuple(vectors), skeleton, layout)
+
 
 def _leaf(vector: Any, slot: Slot) -> Any:
   """The leaf ``slot`` places in ``vector`` (of states stacked along leading axes, each
@@ -139,10 +188,12 @@ def _leaf(vector: Any, slot: Slot) -> Any:
   return part.reshape(vector.shape[:-1] + slot.shape)
 
 
-def plan(tree: Any, keys: Any = None) -> Layout:
+def plan(tree: Any, keys: Any = None, *, added: bool = False) -> Layout:
   """The buckets of ``tree``: its leaves with at least one dimension, grouped by dtype
   (and ``keys``, one per leaf), in order; scalars, weakly typed leaves and PRNG keys
-  stay as they are.
+  stay as they are. ``added``: for a tree added into leaf by leaf
+  (:meth:`Packed.added`, the window's sum), one bucket per group (of at most
+  :data:`MAX_BUCKET` elements); else the inner state's buckets (module docstring).
 
   NNX Variables are unwrapped first: ``nnx.Optimizer`` hands ``init`` its
   ``nnx.Param`` state and ``update`` plain arrays, so the tree a :class:`Packed`
@@ -163,10 +214,12 @@ def plan(tree: Any, keys: Any = None) -> Layout:
       slots.append(None)
       continue
     size = math.prod(shape)
-    small = size * dtype.itemsize <= SMALL_LEAF
+    small = not added and size * dtype.itemsize <= SMALL_LEAF
     bucket, count = open_bucket.get((dtype, key, small), (-1, 0))
     if bucket < 0 or (
-        (sizes[bucket] + size) * dtype.itemsize > SMALL_BUCKET if small else count >= FUSED_LEAVES):
+        sizes[bucket] + size > MAX_BUCKET if added else
+        (sizes[bucket] + size) * dtype.itemsize > SMALL_BUCKET if small else
+        count >= FUSED_LEAVES):
       bucket, count = len(sizes), 0
       sizes.append(0)
     slots.append(Slot(bucket, sizes[bucket], shape, dtype))

@@ -23,6 +23,7 @@ checks of one call's arguments in ``_update_args``, the gradient-noise fields in
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple, Protocol
 
 import jax
@@ -67,8 +68,8 @@ class _Call(NamedTuple):
   """The arguments of one ``update``, checked."""
 
   grads: Any
-  packed: Any  # the gradient in the window's layout (the tree itself for layout="tree")
   kinds: list[str]  # how each buffer of the window combines (_core.per_leaf)
+  grad_kinds: list[str]  # how each leaf of the gradient combines
   params: Any
   weight: Any  # a scalar, or None: the call weighs 1
   flush: jax.Array  # shape=(), dtype=bool
@@ -142,7 +143,7 @@ def _empty_window(options: _Options, grads_like: Any, kinds: Any, packed: bool) 
   """The window's total, empty: zeros of the gradient's tree, or of its buckets."""
   if not packed:
     return _core.init(grads_like, options.accumulator_dtype, kinds).total
-  layout = _layout.plan(grads_like, kinds)  # NNX Variables unwrapped
+  layout = _layout.plan(grads_like, kinds, added=True)  # NNX Variables unwrapped
   leaves = jax.tree.leaves(grads_like)
   dtypes = _layout.packed_keys(layout.slots, len(layout.sizes), [
       jnp.result_type(x) if _core.is_statistic(k) else
@@ -179,8 +180,8 @@ def _bind(options, grads, state, params, weight, flush, apply, extra_args) -> _C
     _args.check_value(value)
     value = jnp.asarray(value)
   return _Call(
-      grads=grads, packed=total.layout.pack(grads) if packed else grads,
-      kinds=list(total.layout.keys if packed else state.reductions.kinds),
+      grads=grads, kinds=list(total.layout.keys if packed else state.reductions.kinds),
+      grad_kinds=list(state.reductions.kinds),
       params=params, weight=weight,
       flush=jnp.array(False) if flush is False else _args.check_flush(flush), value=value,
       # A line search's gradient at `params` is the window's gradient.
@@ -208,8 +209,11 @@ def _add(options: _Options, call: _Call, state: AccumulationState) -> _Window:
   calls = counts[COUNT["mini_step"]]
   zero = jnp.zeros((), jnp.int32)
   view = _core.Accumulator(state.window_total, sums[SUM["weight"]], calls, zero)
-  accumulator, kept = _core.add(view, call.packed, call.weight, refuse_nonfinite=per_call,
-                                accept=accept, kinds=call.kinds)
+  total = state.window_total
+  leafwise = (functools.partial(total.added, tree=call.grads)
+              if isinstance(total, _layout.Packed) else None)
+  accumulator, kept = _core.add(view, call.grads, call.weight, refuse_nonfinite=per_call,
+                                accept=accept, kinds=call.kinds, leafwise=leafwise)
   value_accumulator = None
   if call.value is not None:
     value_view = _core.Accumulator(
@@ -268,7 +272,8 @@ def _drop_overflowing_sum(window: _Window, call: _Call) -> _Window:
   """A float16 sum beyond 65504 would reach the inner optimizer as inf: the
   window is dropped and its calls counted in ``num_overflowed``."""
   acc = window.accumulator
-  overflows = window.apply & ~_core.sum_fits(acc, call.packed, call.kinds)
+  sums = acc._replace(total=_layout.tree_of(acc.total, jax.tree.structure(call.grads)))
+  overflows = window.apply & ~_core.sum_fits(sums, call.grads, call.grad_kinds)
   counts = dict(window.counts, num_overflowed=jnp.where(overflows, acc.count, 0))
   return window._replace(counts=counts, apply=window.apply & ~overflows)
 
