@@ -23,16 +23,22 @@ def pytest_cmdline_main(config):
     config.option.dist = "worksteal"
 
 
-def pytest_collection_modifyitems(config, items):
-  """Leaves the ``scripts`` tests out unless a ``-m`` expression names the marker.
+# Tests the README's command leaves out unless a ``-m`` expression names their marker;
+# CI runs them in a step of its own (``python -m pytest -n 2 -m "scripts or bench or
+# pages"``). They check what surrounds the library rather than the library, and took
+# most of a full run's time:
+LEFT_OUT = {
+    "scripts": "an example's or a benchmark's script, run in a fresh interpreter",
+    "bench": "a benchmark's builders, loops and tables, on tiny models",
+    "pages": "a documentation page's code blocks, against the output the page shows",
+}
 
-  They run an example's or a benchmark's script in a fresh interpreter, as a user runs
-  it: they check the scripts rather than the library, and took most of a full run's
-  time. CI runs them in a step of its own (``python -m pytest -n 2 -m scripts``).
-  """
-  if re.search(r"\bscripts\b", config.getoption("markexpr") or ""):
-    return
-  scripts = [item for item in items if item.get_closest_marker("scripts")]
-  if scripts:
-    config.hook.pytest_deselected(items=scripts)
-    items[:] = [item for item in items if not item.get_closest_marker("scripts")]
+
+def pytest_collection_modifyitems(config, items):
+  """Leaves out the tests of the :data:`LEFT_OUT` markers that ``-m`` does not name."""
+  named = config.getoption("markexpr") or ""
+  left_out = [m for m in LEFT_OUT if not re.search(rf"\b{m}\b", named)]
+  deselected = [item for item in items if any(item.get_closest_marker(m) for m in left_out)]
+  if deselected:
+    config.hook.pytest_deselected(items=deselected)
+    items[:] = [item for item in items if not any(item.get_closest_marker(m) for m in left_out)]

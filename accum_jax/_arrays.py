@@ -9,6 +9,7 @@ counts as sharded only where its placement or its type says so (:func:`is_sharde
 
 from __future__ import annotations
 
+import functools
 import operator
 from typing import Any
 
@@ -111,7 +112,7 @@ def explicitly_sharded(x: Any) -> bool:
   """Whether the type of ``x`` (an array or a tracer) carries an explicit sharding
   over a mesh axis; under automatic sharding a tracer's type says nothing."""
   spec = getattr(jax.typeof(x).sharding, "spec", ())
-  return any(axis is not None for axis in spec)
+  return any(map(functools.partial(operator.is_not, None), spec))
 
 
 def is_sharded(x: Any) -> bool:

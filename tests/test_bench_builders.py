@@ -25,6 +25,8 @@ import bench_microbatch  # noqa: E402
 import bench_sharded  # noqa: E402
 import models  # noqa: E402
 
+pytestmark = pytest.mark.bench  # left out of the README's command (conftest.py)
+
 needs_8 = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (fake) devices")
 
 

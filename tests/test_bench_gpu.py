@@ -28,6 +28,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.bench  # left out of the README's command (conftest.py)
+
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 SCRIPT = BENCH / "bench_gpu.py"
 

@@ -29,6 +29,8 @@ import accum_jax
 from accum_jax._across_calls._state import COUNTS, SUMS
 from accum_jax.testing import copied_shapes, kernel_counts
 
+pytestmark = pytest.mark.bench  # left out of the README's command (conftest.py)
+
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 HAND = "hand-written lax.cond accumulator"
 PACKED_DEVICE = "accumulate(sgd, layout='packed'), device schedule"

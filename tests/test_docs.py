@@ -36,6 +36,7 @@ def test_the_docs_have_python_examples():
   assert len(BLOCKS) >= 10
 
 
+@pytest.mark.pages  # left out of the README's command (conftest.py)
 @pytest.mark.parametrize(("page", "block"), BLOCKS)
 def test_a_docs_example_prints_what_the_page_shows(page, block):
   run_block(block, str(page), check_output=page.parent.name != "guides")

@@ -132,11 +132,13 @@ def traced(call: Bound, grad_fun: Callable[..., Any]) -> Call:
 def _check_args(options: _options.Options, args: tuple[Any, ...]) -> None:
   """ValueError for an argument number past ``args``, a differentiated argument
   that holds no array, or a key argument that holds no key."""
-  for role, nums in options.roles().items():
-    for n in nums:
-      if n >= len(args):
+  last = max((*options.argnums, *options.batch_argnums, *options.rng_argnums,
+              *options.state_argnums))
+  if last >= len(args):  # which role names it, only when one does
+    for role, nums in options.roles().items():
+      if last in nums:
         raise ValueError(
-            f"{role}={nums} names argument {n}, but the function was called with"
+            f"{role}={nums} names argument {last}, but the function was called with"
             f" {len(args)} positional argument(s). Pass it positionally, or fix {role}."
         )
   for n in options.argnums:
