@@ -904,11 +904,13 @@ def test_float16_window_with_a_total_weight_of_1e5_applies_the_weighted_mean():
 
 
 @with_and_without_jit
-def test_a_float16_sum_that_overflows_is_skipped_and_counted():
+@pytest.mark.parametrize("layout", ["packed", "tree"])
+def test_a_float16_sum_that_overflows_is_skipped_and_counted(layout):
   params = {"w": jnp.zeros(1, jnp.float16)}
   grads = {"w": jnp.array([[30000.0], [30000.0], [30000.0], [1.0], [2.0], [3.0]], jnp.float16)}
   for accumulator_dtype in (None, jnp.float32):
-    opt = _identity_accumulated(3, reduction="sum", accumulator_dtype=accumulator_dtype)
+    opt = _identity_accumulated(3, reduction="sum", accumulator_dtype=accumulator_dtype,
+                                layout=layout)
     _, updates, states = scan_updates(opt, params, grads, apply_updates=False)
     # The first window sums to 90000: not applied, its three calls counted.
     assert _bools(states.last_updated) == [False, False, False, False, False, True]
