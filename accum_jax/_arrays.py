@@ -123,7 +123,3 @@ def is_sharded(x: Any) -> bool:
     return explicitly_sharded(x)
   sharding = getattr(x, "sharding", None)
   return isinstance(x, jax.Array) and sharding is not None and not sharding.is_fully_replicated
-
-
-def _wide(dtype: Any) -> jnp.dtype:
-  return jnp.promote_types(dtype, jnp.float32)

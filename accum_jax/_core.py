@@ -55,7 +55,6 @@ import jax
 import jax.numpy as jnp
 
 from accum_jax._arrays import (  # noqa: F401  (re-exported: the core's vocabulary)
-    _wide,
     accumulator_dtype_for,
     canonicalize_accumulator_dtype,
     explicitly_sharded,
@@ -132,7 +131,7 @@ def all_finite(tree: Any) -> jax.Array:
   for x in jax.tree.leaves(tree):
     x = jnp.asarray(x)
     if jnp.issubdtype(x.dtype, jnp.inexact):
-      zeros.append(jnp.sum(x - x, dtype=_wide(x.dtype)))
+      zeros.append(jnp.sum(x - x, dtype=jnp.promote_types(x.dtype, jnp.float32)))
   if not zeros:
     return jnp.array(True)
   return functools.reduce(jnp.add, zeros) == 0
@@ -304,7 +303,7 @@ def add(
     else:
       # The product in float32 at least, so that a bfloat16 gradient times a
       # large weight does not round in the gradient's dtype.
-      new = total + (w.astype(_wide(total.dtype)) * x).astype(total.dtype)
+      new = total + (w.astype(jnp.promote_types(total.dtype, jnp.float32)) * x).astype(total.dtype)
     # `where`, not a product with `keep`: 0 * NaN is NaN.
     return jnp.where(keep, new, total)
 
@@ -449,7 +448,8 @@ def sum_fits(acc: Accumulator, like: Any, kinds: Any = None) -> jax.Array:
   for total, x, kind in zip(jax.tree.leaves(acc.total), jax.tree.leaves(like), leaf_kinds):
     if not is_narrow(x.dtype) or kind != "sum":
       continue
-    largest = jnp.max(jnp.abs(total.astype(_wide(total.dtype))), initial=0.0)
+    wide = total.astype(jnp.promote_types(total.dtype, jnp.float32))
+    largest = jnp.max(jnp.abs(wide), initial=0.0)
     if is_narrow(total.dtype):  # total holds the mean
       largest = largest * acc.weight
     checks.append(largest <= float(jnp.finfo(x.dtype).max))

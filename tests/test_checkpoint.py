@@ -224,7 +224,7 @@ def _assert_bitwise_equal(a: Any, b: Any) -> None:
 def _assert_same_window(a: accum_jax.AccumulationState, b: accum_jax.AccumulationState) -> None:
   """The same window, counters and inner state, each state read in its own layout."""
   _assert_bitwise_equal(a.acc_grads, b.acc_grads)
-  _assert_bitwise_equal((a.counts, a.sums), (b.counts, b.sums))
+  _assert_bitwise_equal(a.scalars, b.scalars)
   _assert_bitwise_equal(accum_jax._across_calls._layout.tree_of(a.inner_opt_state),
                         accum_jax._across_calls._layout.tree_of(b.inner_opt_state))
 
@@ -283,7 +283,7 @@ def test_a_packed_checkpoint_of_one_device_loads_sharded_over_two(tmp_path):
   state = restored["opt_state"]
   assert state.window_total["w"].sharding.spec == P("data", None)
   assert state.inner_opt_state[0].nu["s"].sharding.spec == P("data")
-  assert state.counts.sharding.spec == P() and len(state.counts.sharding.device_set) == mesh.size
+  assert state.scalars.sharding.spec == P() and len(state.scalars.sharding.device_set) == mesh.size
   _assert_same_window(state, stopped["opt_state"])
   _assert_bitwise_equal(restored["params"], stopped["params"])
 

@@ -114,8 +114,7 @@ def _assert_state_sharded_like_params(state: Any, params: Any) -> None:
   checked = 0
   for path, x in jax.tree.leaves_with_path(state):
     p = by_shape.get(x.shape)
-    counters = (jax.tree_util.GetAttrKey("counts"), jax.tree_util.GetAttrKey("sums"))
-    if p is None or path[-1] in counters:
+    if p is None or path[-1] == jax.tree_util.GetAttrKey("scalars"):
       continue  # the state's counters, not a parameter's statistic
     shard = x.addressable_shards[0].data.size
     assert shard == p.size // NUM_DEVICES, (

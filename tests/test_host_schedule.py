@@ -418,13 +418,14 @@ def test_the_packed_state_is_a_few_buffers_and_changes_no_arithmetic():
   tree_allclose(ours[1].inner_opt_state.unpack(), tree[1].inner_opt_state)
   tree_allclose(ours[1].acc_grads, tree[1].acc_grads)
   # AdamW's moments in one float32 vector and its count beside it, the window's
-  # sum in one vector, the counters in two: against a leaf per parameter for the
-  # sum and two for the moments. A scalar parameter's sum and moments stay scalars.
+  # sum in one vector, the counters and sums in one: against a leaf per parameter
+  # for the sum and two for the moments. A scalar parameter's sum and moments stay
+  # scalars.
   leaves = len(jax.tree.leaves(make_params()))
   scalars = sum(jnp.ndim(x) == 0 for x in jax.tree.leaves(make_params()))
   assert len(jax.tree.leaves(tree[1].inner_opt_state)) == 2 * leaves + 1
   assert len(jax.tree.leaves(ours[1].inner_opt_state)) == 2 + 2 * scalars
-  assert len(jax.tree.leaves(ours[1])) == 5 + 3 * scalars
+  assert len(jax.tree.leaves(ours[1])) == 4 + 3 * scalars
   # optax.tree.get finds AdamW's count, and only it: no field of accumulate's own is
   # named count.
   assert int(optax.tree.get(ours[1], "count")) == 2
@@ -459,6 +460,28 @@ def test_the_windows_sum_is_one_bucket_each_leaf_added_where_it_lies():
   assert len(adds) == 12
   assert not [i.line for c in adds for i in c.instructions.values()
                  if i.opcode == "slice" and i.shape.startswith("f32")]
+
+
+@pytest.mark.xla_fact
+def test_a_run_of_small_leaves_is_one_part_of_a_bucket_of_large_ones():
+  # Ten leaves of 80 KiB and thirty of 12 bytes: AdamW's twenty large moments and
+  # its sixty small ones, which make one run, are 21 parts, in three buckets of at
+  # most eight (the last holds four large moments and the run). The applying call
+  # writes each bucket back with a concatenate of at most eight operands, which
+  # XLA:CPU fuses into what computes them: the run is concatenated first, behind a
+  # barrier, else XLA flattens it into its bucket's concatenate.
+  params = {f"w{i}": jnp.ones((128, 160)) for i in range(10)}
+  params.update({f"b{i}": jnp.ones(3) for i in range(30)})
+  state = PACKED.init(params)
+  sizes = state.inner_opt_state.layout.sizes
+  assert sizes == (8 * 20480, 8 * 20480, 4 * 20480 + 60 * 3)
+  step = jax.jit(lambda g, s: PACKED.update(g, s, params, apply=True)[1],
+                 donate_argnums=1)
+  program = _hlo.parse(step.lower(params, state).compile().as_text())
+  written = [len(i.operands) for c in program.values() for i in c.instructions.values()
+             if i.opcode == "concatenate" and i.shape.split("{")[0] in {
+                 f"f32[{n}]" for n in sizes}]
+  assert sorted(written) == [5, 8, 8], written
 
 
 def test_sharded_parameters_keep_a_tree_placed_like_them_and_packed_is_refused():
@@ -498,7 +521,7 @@ def test_a_state_restored_under_another_every_k_loses_no_call():
   for call in range(3):
     _, state = step({"w": jnp.asarray(float(call))}, state, params, apply=False)
   restored = new.init(params)._replace(**{
-      name: getattr(state, name) for name in ("window_total", "inner_opt_state", "counts", "sums")})
+      name: getattr(state, name) for name in ("window_total", "inner_opt_state", "scalars")})
   schedule = accum_jax.HostSchedule(restored)
   flag = schedule.next()
   assert flag

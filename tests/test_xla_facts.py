@@ -181,8 +181,9 @@ def test_reading_the_optax_state_adds_no_kernel_to_the_micro_step():
   # elementwise, and fuse into the add: a jitted train step of a 16-leaf model
   # launches no more top-level fusions or copies than accumulate's own, but for a
   # pass a leaf: optax's state holds acc_grads zeroed where a window ended, where
-  # accumulate writes nothing into its sum (on XLA:CPU, JAX 0.10.2, 55 fusions and
-  # 2 copies against 37 and 3; before accumulate stopped emptying its sum, 55 and 1
+  # accumulate writes nothing into its sum, and its counters and sums are two
+  # vectors, where accumulate's are one (on XLA:CPU, JAX 0.10.2, 55 fusions and 2
+  # copies against 36 and 2; before accumulate stopped emptying its sum, 55 and 1
   # against 57 and 2).
   from accum_jax.testing import kernel_counts
 
@@ -199,6 +200,6 @@ def test_reading_the_optax_state_adds_no_kernel_to_the_micro_step():
     program = jax.jit(step, donate_argnums=(0, 1)).lower(params, opt.init(params), params)
     counts[name] = kernel_counts(program.compile())
   leaves = len(jax.tree.leaves(params))
-  assert counts["MultiSteps"].fusions <= counts["accumulate"].fusions + leaves + 2, counts
+  assert counts["MultiSteps"].fusions <= counts["accumulate"].fusions + leaves + 3, counts
   assert counts["MultiSteps"].copies <= counts["accumulate"].copies, counts
   assert counts["MultiSteps"].conditionals == 1, counts

@@ -31,10 +31,10 @@ import optax
 
 from accum_jax import _core
 from accum_jax._across_calls import _layout
-from accum_jax._across_calls._state import COUNTS, SUMS, AccumulationState
+from accum_jax._across_calls._state import COUNTS, SUMS, AccumulationState, scalars
 
 # The fields that hold the same leaves in both layouts.
-_SAME_IN_BOTH = ("counts", "sums", "skip_state", "noise", "last_noise", "noise_ema",
+_SAME_IN_BOTH = ("scalars", "skip_state", "noise", "last_noise", "noise_ema",
                  "window_length")
 _FIX = ("convert moves one optimizer's state between layouts, not between optimizers or"
         " parameters: build target with the optimizer and parameters that made state, e.g."
@@ -141,24 +141,23 @@ def check_v010_target(target: AccumulationState, where: str) -> None:
 
 
 @jax.jit
-def _v010_counters(old: State010) -> tuple[jax.Array, jax.Array]:
-  """0.1.0's scalar counters as the two vectors (jitted: no constant leaves the host).
+def _v010_scalars(old: State010) -> jax.Array:
+  """0.1.0's scalar counters as the one vector (jitted: no constant leaves the host).
   0.1.0 counted every call left out in ``num_skipped``; it kept no ``window_value``."""
   acc, values = old.accumulator, old.value_accumulator
   counts = {"mini_step": acc.count, "optimizer_step": old.optimizer_step,
             "last_updated": old.last_updated, "num_skipped": acc.num_skipped,
             "num_empty_windows": old.num_empty_windows}
   sums = {"weight": acc.weight, "value_total": values.total, "value_weight": values.weight}
-  return (jnp.stack([jnp.asarray(counts.get(n, 0), jnp.int32) for n in COUNTS]),
-          jnp.stack([jnp.asarray(sums.get(n, 0.0), jnp.float32) for n in SUMS]))
+  return scalars(jnp.stack([jnp.asarray(counts.get(n, 0), jnp.int32) for n in COUNTS]),
+                 jnp.stack([jnp.asarray(sums.get(n, 0.0), jnp.float32) for n in SUMS]))
 
 
 def _from_v010(old: State010, target: AccumulationState, where: str) -> AccumulationState:
   check_v010_target(target, where)
-  counts, sums = _v010_counters(old)
   return AccumulationState(
       window_total=old.accumulator.total, inner_opt_state=old.inner_opt_state,
-      counts=counts, sums=sums, skip_state=old.skip_state)
+      scalars=_v010_scalars(old), skip_state=old.skip_state)
 
 
 def _placed(value: Any, like: Any) -> Any:
@@ -255,7 +254,7 @@ def convert(state: Any, target: Any) -> Any:
 
 def _replicated(target: AccumulationState) -> Any:
   """Where the target keeps its counters (replicated on the mesh), or None."""
-  sharding = getattr(target.counts, "sharding", None)
+  sharding = getattr(target.scalars, "sharding", None)
   if not isinstance(sharding, jax.sharding.Sharding) or (
       isinstance(sharding, jax.sharding.NamedSharding)
       and isinstance(sharding.mesh, jax.sharding.AbstractMesh)):

@@ -68,7 +68,7 @@ class HostSchedule:
           " an int or a schedule of the step.")
     self._every_k = found.every_k.schedule
     # asarray unwraps the nnx.Variables of an nnx.Optimizer's state.
-    counts = jax.device_get(jnp.asarray(found.counts))
+    counts = jax.device_get(jnp.asarray(found.scalars))
     self.calls = int(counts[_state.COUNT["mini_step"]])
     self.optimizer_step = int(counts[_state.COUNT["optimizer_step"]])
     self._length = (self.optimizer_step, host_window_length(self._every_k, self.optimizer_step))

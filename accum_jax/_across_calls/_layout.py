@@ -8,8 +8,8 @@ state are kept as a few 1-D vectors, *buckets*, planned once from the tree::
 
   for each kind of leaf (its dtype, and how it combines), in the tree's order:
     the window's sum: one bucket (of at most MAX_BUCKET elements)
-    the inner state: leaves of at most SMALL_LEAF bytes share buckets of at most
-      SMALL_BUCKET bytes, the other leaves go FUSED_LEAVES to a bucket
+    the inner state: FUSED_LEAVES parts to a bucket, a part being a leaf of more
+      than SMALL_LEAF bytes, or a run of smaller leaves of at most SMALL_BUCKET bytes
 
 The window's sum is added into leaf by leaf (:meth:`Packed.added`): each leaf's
 slice of its bucket is read, added to and written back with a
@@ -20,13 +20,15 @@ slice, which no longer matches the write, and each write then copies the whole
 bucket.
 
 The inner state is written whole by the inner optimizer's update and put back with
-a concatenate of its leaves, read with slices, which XLA fuses into their readers.
+a concatenate of its parts, read with slices, which XLA fuses into their readers.
 XLA:CPU fuses a concatenate of at most eight operands into what computes them
 (``kMaxConcatenateArguments`` in its instruction fusion), so a bucket of at most
-eight leaves is written in place, with no copy of the state; a longer concatenate
-is materialized first, so only small leaves share one, a temporary of at most
-``SMALL_BUCKET`` bytes. (A ``dynamic_update_slice`` per leaf is no way out there:
-the update reads the old state before the writes, and each write copies the bucket.)
+eight parts is written in place, with no copy of the state; a longer concatenate
+is materialized first. So a run of small leaves is concatenated on its own, a
+temporary of at most ``SMALL_BUCKET`` bytes, behind an ``optimization_barrier``
+(else XLA's simplifier flattens it into its bucket's concatenate), and counts as
+one part. (A ``dynamic_update_slice`` per leaf is no way out there: the update
+reads the old state before the writes, and each write copies the bucket.)
 
 ``layout="tree"`` keeps every leaf as a buffer of its own, with its shape and
 sharding: the layout for parameters sharded over devices, whose state a vector
@@ -59,12 +61,14 @@ MAX_BUCKET = (1 << 31) - 1  # elements: a bucket's offsets are int32
 
 @dataclasses.dataclass(frozen=True)
 class Slot:
-  """Where one leaf lies: in bucket ``bucket`` from ``offset``."""
+  """Where one leaf lies: in bucket ``bucket`` from ``offset``, in the bucket's part
+  ``part`` (the leaves of a part are concatenated first, see the module docstring)."""
 
   bucket: int
   offset: int
   shape: tuple[int, ...]
   dtype: Any
+  part: int = 0
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -99,7 +103,7 @@ class Layout:
     """``tree`` (of this layout's leaves, in any container) as a :class:`Packed`;
     ``like``: a Packed of this layout, whose skeleton the kept leaves take (no
     pruning on each call)."""
-    parts: dict[int, list[Any]] = {}
+    parts: dict[int, dict[int, list[Any]]] = {}  # bucket -> part -> its leaves, raveled
     skeleton = []  # each leaf kept, or None
     kept = []
     for leaf, slot in zip(jax.tree.leaves(tree), self.slots):
@@ -107,11 +111,15 @@ class Layout:
         skeleton.append(leaf)
         kept.append(leaf)
       else:
-        parts.setdefault(slot.bucket, []).append(jnp.ravel(leaf))
+        parts.setdefault(slot.bucket, {}).setdefault(slot.part, []).append(jnp.ravel(leaf))
         skeleton.append(None)
     vectors = []
     for bucket in range(len(self.sizes)):
-      vectors.append(jnp.concatenate(parts[bucket]) if len(parts[bucket]) > 1 else parts[bucket][0])
+      runs = parts[bucket]
+      if len(runs) == 1:
+        vectors.append(jnp.concatenate(runs[0]) if len(runs[0]) > 1 else runs[0][0])
+      else:  # each part in order, one of several leaves concatenated first (module docstring)
+        vectors.append(jnp.concatenate(list(map(_part, map(runs.__getitem__, range(len(runs)))))))
     if like is not None:
       return Packed(tuple(vectors), jax.tree.unflatten(
           jax.tree.structure(like.skeleton), kept), self)
@@ -180,6 +188,12 @@ class Packed:
     return Packed(tuple(vectors), skeleton, layout)
 
 
+def _part(leaves: list[Any]) -> Any:
+  """A part of a bucket of several: a run of leaves concatenated behind a barrier, so
+  that XLA's simplifier does not flatten it into the bucket's concatenate."""
+  return jax.lax.optimization_barrier(jnp.concatenate(leaves)) if len(leaves) > 1 else leaves[0]
+
+
 def _leaf(vector: Any, slot: Slot) -> Any:
   """The leaf ``slot`` places in ``vector`` (of states stacked along leading axes, each
   one's: ``vector`` may have leading axes, e.g. after a ``lax.scan``)."""
@@ -202,32 +216,62 @@ def plan(tree: Any, keys: Any = None, *, added: bool = False) -> Layout:
   wrapped_def = jax.tree.structure(tree)
   leaves, treedef = jax.tree.flatten(unwrapped(tree))
   keys = [None] * len(leaves) if keys is None else list(keys)
-  slots: list[Slot | None] = []
-  sizes: list[int] = []
-  open_bucket: dict[Any, tuple[int, int]] = {}  # group -> (bucket, leaves in it)
-  for leaf, key in zip(leaves, keys):
+  groups: dict[Any, list[int]] = {}  # (dtype, key) -> its leaves, in the tree's order
+  for i, (leaf, key) in enumerate(zip(leaves, keys)):
     aval = jax.typeof(leaf)
-    shape, dtype = tuple(aval.shape), aval.dtype
     # Scalars, weak types and what is not a number (PRNG keys) stay as they are.
-    if not shape or aval.weak_type or not (
-        jnp.issubdtype(dtype, jnp.number) or jnp.issubdtype(dtype, jnp.bool_)):
-      slots.append(None)
-      continue
-    size = math.prod(shape)
-    small = not added and size * dtype.itemsize <= SMALL_LEAF
-    bucket, count = open_bucket.get((dtype, key, small), (-1, 0))
-    if bucket < 0 or (
-        sizes[bucket] + size > MAX_BUCKET if added else
-        (sizes[bucket] + size) * dtype.itemsize > SMALL_BUCKET if small else
-        count >= FUSED_LEAVES):
-      bucket, count = len(sizes), 0
-      sizes.append(0)
-    slots.append(Slot(bucket, sizes[bucket], shape, dtype))
-    sizes[bucket] += size
-    open_bucket[dtype, key, small] = (bucket, count + 1)
+    if aval.shape and not aval.weak_type and (
+        jnp.issubdtype(aval.dtype, jnp.number) or jnp.issubdtype(aval.dtype, jnp.bool_)):
+      groups.setdefault((aval.dtype, key), []).append(i)
+  slots: list[Slot | None] = [None] * len(leaves)
+  sizes: list[int] = []
+  for (dtype, _), members in groups.items():
+    elements = [math.prod(jnp.shape(leaves[i])) for i in members]
+    buckets = (_added_buckets(members, elements) if added else
+               _inner_buckets(members, elements, dtype.itemsize))
+    for bucket in buckets:
+      offset = 0
+      for part, run in enumerate(bucket):
+        for i in run:
+          shape = tuple(jnp.shape(leaves[i]))
+          slots[i] = Slot(len(sizes), offset, shape, dtype, part)
+          offset += math.prod(shape)
+      sizes.append(offset)
   shapes = tuple(tuple(jnp.shape(x)) for x in leaves)
   return Layout(treedef, tuple(slots), tuple(sizes), shapes,
                 tuple(packed_keys(slots, len(sizes), keys)), wrapped_def)
+
+
+def _added_buckets(members: list[int], elements: list[int]) -> list[list[list[int]]]:
+  """A group added into leaf by leaf: its leaves in buckets of at most MAX_BUCKET
+  elements, each bucket one part."""
+  buckets: list[list[list[int]]] = []
+  total = MAX_BUCKET
+  for i, n in zip(members, elements):
+    if total + n > MAX_BUCKET:
+      buckets.append([[]])
+      total = 0
+    buckets[-1][0].append(i)
+    total += n
+  return buckets
+
+
+def _inner_buckets(members: list[int], elements: list[int], itemsize: int
+                   ) -> list[list[list[int]]]:
+  """A group of the inner state: its parts (each leaf of more than SMALL_LEAF bytes,
+  then runs of the smaller ones of at most SMALL_BUCKET bytes), FUSED_LEAVES to a
+  bucket."""
+  nbytes = [n * itemsize for n in elements]
+  parts = [[i] for i, n in zip(members, nbytes) if n > SMALL_LEAF]
+  run_bytes = SMALL_BUCKET
+  for i, n in zip(members, nbytes):
+    if n <= SMALL_LEAF:
+      if run_bytes + n > SMALL_BUCKET:
+        parts.append([])
+        run_bytes = 0
+      parts[-1].append(i)
+      run_bytes += n
+  return [parts[j:j + FUSED_LEAVES] for j in range(0, len(parts), FUSED_LEAVES)]
 
 
 def packed_keys(slots: Any, buckets: int, keys: Any) -> list[Any]:

@@ -78,8 +78,9 @@ def _to_accumulation(
   return AccumulationState(
       window_total=jax.tree.map(total, state.acc_grads, grads, kinds_tree),
       inner_opt_state=state.inner_opt_state,
-      counts=jnp.stack(counts + [jnp.zeros((), jnp.int32)] * (len(_state.COUNTS) - 2)),
-      sums=jnp.stack([weight] + [jnp.zeros((), jnp.float32)] * (len(_state.SUMS) - 1)),
+      scalars=_state.scalars(
+          jnp.stack(counts + [jnp.zeros((), jnp.int32)] * (len(_state.COUNTS) - 2)),
+          jnp.stack([weight] + [jnp.zeros((), jnp.float32)] * (len(_state.SUMS) - 1))),
       skip_state=state.skip_state,
       every_k=every_k,
       reductions=_state.Reductions(tuple(kinds)),

@@ -210,7 +210,7 @@ def abstract_state(opt: _HasInit, params: Any) -> Any:
     >>> target = accum_jax.checkpoint.abstract_state(opt, params)
     >>> target.inner_opt_state[0].mu["w"].sharding.spec
     P('data',)
-    >>> target.counts.sharding.spec
+    >>> target.scalars.sharding.spec
     P()
 
     With Orbax, ``restored = ocp.v1.load(path, target)`` (or
@@ -257,7 +257,7 @@ def _kind(saved: Any) -> str | None:
     return None
   if "accumulator" in saved and "optimizer_step" in saved:
     return "0.1.0"
-  window = saved.get("window_total", None) if "counts" in saved else None
+  window = saved.get("window_total", None) if "scalars" in saved else None
   if isinstance(window, dict) and "vectors" in window and set(window) <= {"vectors", "skeleton"}:
     return "packed"
   return "tree" if "window_total" in saved else None

@@ -18,8 +18,9 @@ import optax
 from accum_jax import _core
 from accum_jax._across_calls import _layout, _schedules
 
-# The int32 counters of a state, one vector (``AccumulationState.counts``): a call
-# passes one buffer for them all. Each is read by the property of its name.
+# The scalars of a state, one int32 vector (``AccumulationState.scalars``): a call
+# passes one buffer for them all. First its int32 counters (``state.counts``), each
+# read by the property of its name:
 COUNTS = (
     "mini_step",  # calls in the current window: zero weights in, skipped calls out
     "optimizer_step",  # updates the inner optimizer applied
@@ -30,7 +31,8 @@ COUNTS = (
     "num_overflowed",  # calls of windows whose weighted sum overflows float16/bfloat16
     "num_empty_windows",  # windows that ended holding zero weight
 )
-# The float32 sums of a state, one vector (``AccumulationState.sums``).
+# then its float32 sums (``state.sums``), each held as its 32 bits (a bitcast, exact
+# both ways: ``lax.bitcast_convert_type``):
 SUMS = (
     "weight",  # the current window's weight: calls (or weight= arguments) kept
     "value_total",  # the weighted sum of the current window's value= arguments
@@ -39,6 +41,13 @@ SUMS = (
 )
 COUNT = {name: i for i, name in enumerate(COUNTS)}
 SUM = {name: i for i, name in enumerate(SUMS)}
+
+
+def scalars(counts: Any, sums: Any) -> jax.Array:
+  """A state's ``scalars``: its counters (int32, as ``COUNTS``), then its sums (float32,
+  as ``SUMS``) bitcast to int32."""
+  bits = jax.lax.bitcast_convert_type(jnp.asarray(sums, jnp.float32), jnp.int32)
+  return jnp.concatenate([jnp.asarray(counts, jnp.int32), bits], axis=-1)
 
 
 @jax.tree_util.register_static
@@ -62,8 +71,8 @@ class Reductions:
 class AccumulationState(NamedTuple):
   """State of :func:`accumulate`.
 
-  The counters and sums are two small vectors (a call passes one buffer for each),
-  read by properties: ``mini_step``, ``optimizer_step`` (``gradient_step``, as
+  The counters and sums are one small vector, ``scalars`` (a call passes one buffer
+  for them), read by properties: ``mini_step``, ``optimizer_step`` (``gradient_step``, as
   ``optax.MultiStepsState`` names it), ``num_skipped``, ``window_value``, ...;
   ``acc_grads`` is the window's gradient so far, as the inner optimizer would get
   it (its mean, or with ``reduction="sum"`` its sum), as ``optax.MultiSteps``'
@@ -75,8 +84,7 @@ class AccumulationState(NamedTuple):
   # read while mini_step is 0: it may hold the last window's values then.
   window_total: Any
   inner_opt_state: Any  # the inner optimizer's state (packed likewise), advanced only on updates
-  counts: jax.Array  # shape=(len(COUNTS),), dtype=int32
-  sums: jax.Array  # shape=(len(SUMS),), dtype=float32
+  scalars: jax.Array  # shape=(len(COUNTS) + len(SUMS),), dtype=int32: see COUNTS, SUMS
   skip_state: Any = ()  # what MultiSteps' should_skip_update_fn reported
   # With gradient_noise (or a noise_scale_every_k schedule); () otherwise:
   noise: Any = ()  # _noise.NoiseSums of the current window's calls
@@ -88,9 +96,20 @@ class AccumulationState(NamedTuple):
   # How each gradient leaf combines (_core.per_leaf), as static data: acc_grads reads it.
   reductions: Any = None  # a Reductions
 
+  @property
+  def counts(self) -> jax.Array:
+    """The int32 counters, as ``_state.COUNTS`` names them; shape=(len(COUNTS),)."""
+    return jnp.asarray(self.scalars)[..., :len(COUNTS)]
+
+  @property
+  def sums(self) -> jax.Array:
+    """The float32 sums, as ``_state.SUMS`` names them; shape=(len(SUMS),)."""
+    bits = jnp.asarray(self.scalars)[..., len(COUNTS):]
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
   def counter(self, name: str) -> jax.Array:
     """The int32 counter ``name`` (one of ``_state.COUNTS``)."""
-    return jnp.asarray(self.counts)[..., COUNT[name]]
+    return jnp.asarray(self.scalars)[..., COUNT[name]]
 
   @property
   def mini_step(self) -> jax.Array:
@@ -164,7 +183,7 @@ class AccumulationState(NamedTuple):
 def window_gradient(state: AccumulationState) -> Any:
   """``state.acc_grads``: the window's result so far, zeros while it holds no call (of
   each state, for states stacked along a leading axis, e.g. by a ``lax.scan``)."""
-  if jnp.ndim(state.counts) > 1:
+  if jnp.ndim(state.scalars) > 1:
     return jax.vmap(window_gradient)(state)
   total = state.window_total
   kinds = state.reductions.kinds if state.reductions else None

@@ -130,8 +130,7 @@ def _init(options: _Options, params: Any) -> AccumulationState:
   return AccumulationState(
       window_total=_empty_window(options, grads_like, kinds, packed),
       inner_opt_state=_inner_state.stored(inner_state, params, packed=packed),
-      counts=jnp.zeros(len(COUNTS), jnp.int32),
-      sums=jnp.zeros(len(SUMS), jnp.float32),
+      scalars=jnp.zeros(len(COUNTS) + len(SUMS), jnp.int32),  # the sums' bits: 0.0
       skip_state=skip_state,
       **_noise_fields.init(options.track_noise, options.by_noise),
       every_k=WindowSchedule(options.schedule),
@@ -190,9 +189,15 @@ def _bind(options, grads, state, params, weight, flush, apply, extra_args) -> _C
   )
 
 
+def _counts_and_sums(state: AccumulationState) -> tuple[jax.Array, jax.Array]:
+  """``state.counts`` and ``state.sums``, read from its ``scalars`` once."""
+  scalars = jnp.asarray(state.scalars)
+  return scalars[:len(COUNTS)], jax.lax.bitcast_convert_type(scalars[len(COUNTS):], jnp.float32)
+
+
 def _add(options: _Options, call: _Call, state: AccumulationState) -> _Window:
   """This call into the window (unless left out), and whether the window ends."""
-  counts, sums = jnp.asarray(state.counts), jnp.asarray(state.sums)
+  counts, sums = _counts_and_sums(state)
   accept: Any = True
   rejected: Any = False
   skip_state = state.skip_state
@@ -282,7 +287,7 @@ def _next_state(options, call, state, window, inner: _apply.Inner) -> Accumulati
   """The state after this call: the window closed if it ended, counters advanced."""
   acc = window.accumulator
   applied = jnp.asarray(inner.applied)
-  counts, sums = jnp.asarray(state.counts), jnp.asarray(state.sums)
+  counts, sums = _counts_and_sums(state)
   # A window that ends with zero total weight holds nothing to apply (its sum is
   # zero too); it restarts, and is counted. One refused when it was applied (not
   # finite) counts its calls as skipped.
@@ -311,8 +316,8 @@ def _next_state(options, call, state, window, inner: _apply.Inner) -> Accumulati
   return state._replace(
       window_total=acc.total if inner.total is None else inner.total,
       inner_opt_state=inner.state,
-      counts=counts + jnp.stack(deltas),
-      sums=jnp.stack(columns),
+      scalars=jnp.concatenate([counts + jnp.stack(deltas), jax.lax.bitcast_convert_type(
+          jnp.stack(columns), jnp.int32)]),  # as _state.scalars
       skip_state=window.skip_state,
       **(_noise_fields.next(state, window, applied, inner.last_noise, options.by_noise)
          if options.track_noise else {}),
