@@ -82,8 +82,8 @@ def _counts(programs):
   return {name: kernel_counts(compiled) for name, compiled in programs.items()}
 
 
-# accumulate's counters: one int32 and one float32 vector, of a few entries each.
-_COUNTERS = (f"s32[{len(COUNTS)}]", f"f32[{len(SUMS)}]")
+# accumulate's counters and sums: one int32 vector of a few entries.
+_COUNTERS = (f"s32[{len(COUNTS) + len(SUMS)}]",)
 
 
 def _leaf_copies(compiled):
