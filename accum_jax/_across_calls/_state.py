@@ -50,6 +50,13 @@ def scalars(counts: Any, sums: Any) -> jax.Array:
   return jnp.concatenate([jnp.asarray(counts, jnp.int32), bits], axis=-1)
 
 
+def counts_and_sums(scalars: Any) -> tuple[jax.Array, jax.Array]:
+  """The counters and the sums that :func:`scalars` made ``scalars`` of."""
+  scalars = jnp.asarray(scalars)  # unwraps the nnx.Variable of an nnx.Optimizer's state
+  bits = scalars[..., len(COUNTS):]
+  return scalars[..., :len(COUNTS)], jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
 @jax.tree_util.register_static
 @dataclasses.dataclass(frozen=True, eq=False)
 class Reductions:
@@ -99,13 +106,12 @@ class AccumulationState(NamedTuple):
   @property
   def counts(self) -> jax.Array:
     """The int32 counters, as ``_state.COUNTS`` names them; shape=(len(COUNTS),)."""
-    return jnp.asarray(self.scalars)[..., :len(COUNTS)]
+    return counts_and_sums(self.scalars)[0]
 
   @property
   def sums(self) -> jax.Array:
     """The float32 sums, as ``_state.SUMS`` names them; shape=(len(SUMS),)."""
-    bits = jnp.asarray(self.scalars)[..., len(COUNTS):]
-    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+    return counts_and_sums(self.scalars)[1]
 
   def counter(self, name: str) -> jax.Array:
     """The int32 counter ``name`` (one of ``_state.COUNTS``)."""

@@ -34,7 +34,15 @@ from accum_jax import _arguments, _core, _noise
 from accum_jax._across_calls import _apply, _inner_checks, _inner_state, _layout, _noise_fields
 from accum_jax._across_calls import _update_args as _args
 from accum_jax._across_calls._schedules import EveryKSchedule, WindowSchedule, check_every_k
-from accum_jax._across_calls._state import COUNT, COUNTS, SUM, SUMS, AccumulationState, Reductions
+from accum_jax._across_calls._state import (
+  COUNT,
+  COUNTS,
+  SUM,
+  SUMS,
+  AccumulationState,
+  Reductions,
+  counts_and_sums,
+)
 
 
 class ShouldSkipUpdateFunction(Protocol):
@@ -189,15 +197,9 @@ def _bind(options, grads, state, params, weight, flush, apply, extra_args) -> _C
   )
 
 
-def _counts_and_sums(state: AccumulationState) -> tuple[jax.Array, jax.Array]:
-  """``state.counts`` and ``state.sums``, read from its ``scalars`` once."""
-  scalars = jnp.asarray(state.scalars)
-  return scalars[:len(COUNTS)], jax.lax.bitcast_convert_type(scalars[len(COUNTS):], jnp.float32)
-
-
 def _add(options: _Options, call: _Call, state: AccumulationState) -> _Window:
   """This call into the window (unless left out), and whether the window ends."""
-  counts, sums = _counts_and_sums(state)
+  counts, sums = counts_and_sums(state.scalars)
   accept: Any = True
   rejected: Any = False
   skip_state = state.skip_state
@@ -287,7 +289,7 @@ def _next_state(options, call, state, window, inner: _apply.Inner) -> Accumulati
   """The state after this call: the window closed if it ended, counters advanced."""
   acc = window.accumulator
   applied = jnp.asarray(inner.applied)
-  counts, sums = _counts_and_sums(state)
+  counts, sums = counts_and_sums(state.scalars)
   # A window that ends with zero total weight holds nothing to apply (its sum is
   # zero too); it restarts, and is counted. One refused when it was applied (not
   # finite) counts its calls as skipped.
@@ -316,8 +318,9 @@ def _next_state(options, call, state, window, inner: _apply.Inner) -> Accumulati
   return state._replace(
       window_total=acc.total if inner.total is None else inner.total,
       inner_opt_state=inner.state,
+      # _state.scalars, written out: the applying call enters 30 functions at most.
       scalars=jnp.concatenate([counts + jnp.stack(deltas), jax.lax.bitcast_convert_type(
-          jnp.stack(columns), jnp.int32)]),  # as _state.scalars
+          jnp.stack(columns), jnp.int32)]),
       skip_state=window.skip_state,
       **(_noise_fields.next(state, window, applied, inner.last_noise, options.by_noise)
          if options.track_noise else {}),
