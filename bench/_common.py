@@ -56,11 +56,12 @@ def git_commit() -> str | None:
 
 
 def write_json(name: str, data: Any) -> Path:
-  """Writes ``data`` to ``bench/results/<name>.json`` and returns the path."""
+  """Writes ``data`` to ``bench/results/<name>.json`` and returns that path, from the
+  repository's root (what a run prints, and what its log keeps)."""
   RESULTS_DIR.mkdir(parents=True, exist_ok=True)
   path = RESULTS_DIR / f"{name}.json"
   path.write_text(json.dumps(data, indent=2, default=_to_json) + "\n")
-  return path
+  return path.relative_to(RESULTS_DIR.parent.parent)
 
 
 def _to_json(x: Any) -> Any:
