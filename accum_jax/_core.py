@@ -104,12 +104,9 @@ def init(tree: Any, accumulator_dtype: Any = jnp.float32, kinds: Any = None) -> 
   Each leaf's accumulator has the dtype :func:`accumulator_dtype_for` gives; a
   "max" or "last" leaf (``kinds``, see :func:`per_leaf`) the leaf's own.
   """
-  leaves, treedef = jax.tree.flatten(tree)
   return Accumulator(
-      total=jax.tree.unflatten(treedef, [
-          init_leaf(x, kind, accumulator_dtype)
-          for x, kind in zip(leaves, per_leaf(kinds, tree))
-      ]),
+      total=_map_kinds(functools.partial(init_leaf, accumulator_dtype=accumulator_dtype),
+                       kinds, tree),
       weight=jnp.zeros((), jnp.float32),
       count=jnp.zeros((), jnp.int32),
       num_skipped=jnp.zeros((), jnp.int32),
@@ -248,6 +245,8 @@ def _counted(acc: Accumulator, admission: Admission, total: Any, weight: jax.Arr
 
 def _map_kinds(fun: Any, kinds: Any, tree: Any, *rest: Any) -> Any:
   """``jax.tree.map(fun)`` over ``tree`` and ``rest``, with each leaf's kind last."""
+  if kinds is None:  # every leaf a "mean": no kinds to lay out
+    return jax.tree.map(functools.partial(fun, kind="mean"), tree, *rest)
   kinds_tree = jax.tree.unflatten(jax.tree.structure(tree), per_leaf(kinds, tree))
   return jax.tree.map(fun, tree, *rest, kinds_tree)
 

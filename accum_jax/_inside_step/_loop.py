@@ -1,7 +1,7 @@
 """The loop of the inside-step door: one device's microbatches, scanned.
 
 :func:`local_sums` splits this device's batch into microbatches and runs a
-``lax.scan`` over them (:func:`_passes`), each step (:func:`_step`) adding one
+``lax.scan`` over them (:func:`_pass`), each step (:func:`_step`) adding one
 microbatch's share of the batch's mean into the sums of a :class:`_Carry`. What
 it leaves (a :class:`_result.LocalSums`) is reduced across devices under a mesh
 (:mod:`._across_devices`) and finalised by :func:`_result.finalise`.
@@ -148,7 +148,8 @@ def local_sums(call: _call.Call, args, shard_index) -> _result.LocalSums:
   """This device's microbatches (``args`` as it holds them), looped over; returns
   the un-normalised sums.
 
-  See :func:`_passes` for the loop and what it does about non-finite data.
+  One pass (:func:`_pass`) adds every microbatch; with ``"skip_microbatch"``,
+  :func:`_skipping_passes` leave out the non-finite ones.
   """
   options, plan, shapes = call.options, call.plan, call.shapes
   batch, weights = microbatches(options, call, args)
@@ -163,7 +164,12 @@ def local_sums(call: _call.Call, args, shard_index) -> _result.LocalSums:
   start = _initial_carry(dev, params if gathered is None else gathered)
   n = options.num_microbatches
   xs = _Inputs(jnp.arange(n), batch, weights, known_bad=jnp.zeros((n,), bool))
-  end, stacked, loss_finite = _passes(dev, start, xs)
+  if options.on_nonfinite == "skip_microbatch":
+    end, stacked = _skipping_passes(dev, start, xs)
+    loss_finite = None
+  else:  # "propagate" (the step judged after the loop) or "unchecked": every microbatch added
+    end, stacked, loss_finite = _pass(dev, _added_as_is, start, xs)
+    loss_finite = loss_finite if options.propagates else None
   per_example = stacked
   if "concat" in shapes.reductions:
     per_example = [
@@ -397,33 +403,23 @@ def _emptied(carry: _Carry, dev: _Device) -> _Carry:
                 jax.tree.map(zero, carry.noise))
 
 
-def _passes(dev: _Device, start: _Carry, xs: _Inputs):
-  """The microbatches in one pass; with ``on_nonfinite="skip_microbatch"``, two more
-  only where its sums are not finite. Returns the carry, the stacked per-example
-  leaves and, with ``"propagate"``, whether each microbatch's loss is finite.
+def _skipping_passes(dev: _Device, start: _Carry, xs: _Inputs):
+  """``on_nonfinite="skip_microbatch"``: the microbatches in one pass, and two more
+  only where its sums are not finite. Returns the carry and the stacked
+  per-example leaves.
 
-  With ``"propagate"`` (the default) and ``"unchecked"``, one pass that adds every microbatch
-  as it is (:func:`_added_as_is`); the step is judged after the loop
-  (:func:`_result.finalise`).
-
-  With ``"skip_microbatch"``, the first pass (:func:`_kept_by_loss`) judges each
-  microbatch by its loss alone: a scalar, known before the gradient, so no leaf
-  of the gradient waits for the others and nothing in the loop makes a GPU wait
-  on the host. A gradient that is NaN or Inf under a finite loss shows in the
-  sums. Only then, under one conditional
-  after the loop, does the recheck run (:func:`_kept_by_loss_and_gradient`): a
-  pass that finds which microbatches' gradients are not finite, and one that
-  adds the others. The two are one loop of known trip count (2) around one
-  pass, so the recheck compiles one more loop body, not two.
+  The first pass (:func:`_kept_by_loss`) judges each microbatch by its loss
+  alone: a scalar, known before the gradient, so no leaf of the gradient waits
+  for the others and nothing in the loop makes a GPU wait on the host. A
+  gradient that is NaN or Inf under a finite loss shows in the sums. Only then,
+  under one conditional after the loop, does the recheck run
+  (:func:`_kept_by_loss_and_gradient`): a pass that finds which microbatches'
+  gradients are not finite, and one that adds the others. The two are one loop
+  of known trip count (2) around one pass, so the recheck compiles one more loop
+  body, not two. (``"propagate"`` and ``"unchecked"`` make one pass that adds
+  every microbatch as it is, :func:`_added_as_is`: see :func:`local_sums`.)
   """
-  options = dev.options
-  by_microbatch = options.on_nonfinite == "skip_microbatch"
-  first = _kept_by_loss if by_microbatch else _added_as_is
-  carry, stacked, loss_finite = _pass(dev, first, start, xs)
-  if options.propagates:
-    return carry, stacked, loss_finite
-  if not options.checks_finite:
-    return carry, stacked, None
+  carry, stacked, _ = _pass(dev, _kept_by_loss, start, xs)
 
   def recheck(found):
     def again(_, loop):
@@ -437,7 +433,6 @@ def _passes(dev: _Device, start: _Carry, xs: _Inputs):
     # The first pass's inputs left nothing out: the recheck starts from them.
     return jax.lax.fori_loop(0, 2, again, (xs.known_bad, found))[1]
 
-  carry, stacked = jax.lax.cond(
+  return jax.lax.cond(
       _sums_not_finite(dev, carry.acc), recheck, lambda found: found, (carry, stacked)
   )
-  return carry, stacked, None

@@ -238,7 +238,7 @@ def trace(
   """
   options = fun.options
   state = args[options.state_argnums[0]] if options.state_argnums else None
-  one = jax.jit(lambda i, mb, state, share, p: run(fun, args, None, i, mb, state, share, p))
+  one = jax.jit(functools.partial(run, fun, args, None))  # (index, mb, state, share, params)
   scalar = jax.ShapeDtypeStruct
   traced = one.trace(scalar((), jnp.int32), _rows(fun, args, rows), state,
                      scalar((), jnp.float32), seen)
