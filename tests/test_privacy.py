@@ -63,16 +63,24 @@ def take(data: dict[str, np.ndarray], indices: np.ndarray) -> dict[str, np.ndarr
 
 
 # --- the reference, without accum_jax ---------------------------------------------------
-# Compiled: op by op, each logical batch's size would compile every op of the
-# per-example gradients again.
-
-
-@jax.jit
-def reference_clipped_sum(params, examples):
+@jax.jit  # op by op, each logical batch's size would compile every op of it again
+def _clipped_sum(params, examples):
   grads = jax.vmap(jax.grad(per_example_loss), in_axes=(None, 0))(params, examples)
   squares = [jnp.sum(jnp.reshape(g, (g.shape[0], -1)) ** 2, axis=1) for g in jax.tree.leaves(grads)]
   factors = jnp.minimum(1.0, L2_CLIP / jnp.sqrt(sum(squares)))
   return jax.tree.map(lambda g: jnp.tensordot(factors, g, axes=1), grads)
+
+
+def reference_clipped_sum(params, examples):
+  """The sum of the clipped per-example gradients, computed the plain way in float64
+  and returned in float32: the value a float32 sum must come within round-off of."""
+  def wide(x):
+    x = np.asarray(x)
+    return x.astype(np.float64) if x.dtype.kind == "f" else x
+
+  with jax.enable_x64(True):
+    total = jax.device_get(_clipped_sum(*jax.tree.map(wide, (params, examples))))
+  return jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), total)
 
 
 @jax.jit
