@@ -70,6 +70,17 @@ def tree_allclose(a: Any, b: Any, rtol: float = RTOL, atol: float = ATOL) -> Non
   )
 
 
+def plain_value_and_grad(fun: Callable[..., Any], *args: Any, **options: Any) -> Any:
+  """``jax.value_and_grad(fun, **options)(*args)``, the plain way, jitted: compiled
+  once as a whole rather than operation by operation, as an eager call would be."""
+  return jax.jit(jax.value_and_grad(fun, **options))(*args)
+
+
+def plain_grad(fun: Callable[..., Any], *args: Any, **options: Any) -> Any:
+  """``jax.grad(fun, **options)(*args)``, jitted (see :func:`plain_value_and_grad`)."""
+  return jax.jit(jax.grad(fun, **options))(*args)
+
+
 def jit_traced_at_most(fun: Callable[..., Any], n: int = 1, **jit_options: Any) -> Any:
   """``jax.jit(fun)``, failing with chex's message when ``fun`` is traced more than ``n`` times.
 

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import moe_model as moe
 import numpy as np
 import pytest
-from helpers import tree_allclose
+from helpers import plain_grad, plain_value_and_grad, tree_allclose
 from jax.sharding import PartitionSpec as P
 
 import accum_jax
@@ -30,18 +30,14 @@ def full_batch_loss(params, batch):
   return loss + moe.balance_loss(stats)
 
 
-def chunked_loss(params, batch, chunks):
-  """The whole batch's loss with each chunk's forward on its own key: ``chunks``
-  is a list of (rows, key); loss and statistics are the token-weighted means."""
-  parts = []
-  for rows, key in chunks:
-    part = jax.tree.map(lambda x: x[rows], batch)
-    parts.append((moe.tokens_of(part), *moe.loss_and_stats(params, part, key)))
-  total = sum(w for w, _, _ in parts)
-  loss = sum(w * loss for w, loss, _ in parts) / total
-  stats = jax.tree.map(lambda *s: sum(w * x for (w, _, _), x in zip(parts, s)) / total,
-                       *[s for _, _, s in parts])
-  return loss + moe.balance_loss(stats)
+def chunked_loss(params, batch, keys):
+  """The whole batch's loss with each of ``len(keys)`` equal consecutive chunks'
+  forward on its own key; loss and statistics are the token-weighted means."""
+  parts = jax.tree.map(lambda x: x.reshape(len(keys), -1, *x.shape[1:]), batch)
+  weights = jax.vmap(moe.tokens_of)(parts)
+  losses, stats = jax.vmap(functools.partial(moe.loss_and_stats, params))(parts, keys)
+  mean = lambda x: jnp.tensordot(weights, x, axes=1) / jnp.sum(weights)  # noqa: E731
+  return mean(losses) + moe.balance_loss(jax.tree.map(mean, stats))
 
 
 @functools.cache
@@ -55,7 +51,7 @@ def door(num_microbatches, **options):
 def test_equals_the_full_batch_for_every_num_microbatches(num_microbatches):
   params, batch = moe.init_params(), moe.make_batch(BATCH)
   value, grads = door(num_microbatches)(params, batch)
-  tree_allclose((value, grads), jax.value_and_grad(full_batch_loss)(params, batch))
+  tree_allclose((value, grads), plain_value_and_grad(full_batch_loss, params, batch))
 
 
 def test_the_balance_gradient_of_plain_accumulation_is_wrong_and_this_one_is_not():
@@ -75,7 +71,7 @@ def test_the_balance_gradient_of_plain_accumulation_is_wrong_and_this_one_is_not
   plain = jax.jit(accum_jax.grad(per_microbatch, 8, weight_fn=moe.tokens_of))(params, batch)
   ours = jax.jit(accum_jax.stats_value_and_grad(
       balance_only, moe.balance_loss, 8, weight_fn=moe.tokens_of))(params, batch)[1]
-  expected = jax.grad(full)(params, batch)
+  expected = plain_grad(full, params, batch)
   router = lambda g: g["layers"][0]["router"]  # noqa: E731
   deviation = float(jnp.max(jnp.abs(router(plain) - router(expected))) /
                     jnp.max(jnp.abs(router(expected))))
@@ -87,9 +83,8 @@ def test_dropout_keys_are_the_same_in_both_passes():
   params, batch = moe.init_params(), moe.make_batch(BATCH)
   key = jax.random.key(3)
   value, grads = door(4, rng_argnums=2)(params, batch, key)
-  rows = BATCH // 4
-  chunks = [(slice(j * rows, (j + 1) * rows), jax.random.fold_in(key, j)) for j in range(4)]
-  expected = jax.value_and_grad(chunked_loss)(params, batch, chunks)
+  keys = jnp.stack([jax.random.fold_in(key, j) for j in range(4)])
+  expected = plain_value_and_grad(chunked_loss, params, batch, keys)
   tree_allclose((value, grads), expected)
 
 
@@ -110,13 +105,10 @@ def test_a_mesh_of_8_balances_the_global_batch(sharding):
       moe.loss_and_stats, moe.balance_loss, 2, weight_fn=moe.tokens_of, rng_argnums=2,
       data_parallel=accum_jax.DataParallel(mesh, "data", param_sharding=specs), return_info=True))
   value, grads, info = vg(params, batch, key)
-  per_device, rows = BATCH // 8, BATCH // 16
-  chunks = [
-      (slice(d * per_device + j * rows, d * per_device + (j + 1) * rows),
-       jax.random.fold_in(jax.random.fold_in(key, j), d))
-      for d in range(8) for j in range(2)
-  ]
-  tree_allclose((value, grads), jax.value_and_grad(chunked_loss)(params, batch, chunks))
+  # Device d's microbatch j: rows 4d + 2j and 4d + 2j + 1, the 2d + j-th chunk of 2.
+  keys = jnp.stack([jax.random.fold_in(jax.random.fold_in(key, j), d)
+                    for d in range(8) for j in range(2)])
+  tree_allclose((value, grads), plain_value_and_grad(chunked_loss, params, batch, keys))
   assert int(info.num_skipped) == 0
   if sharding == "fsdp":
     assert grads["layers"][0]["w_in"].sharding.spec == P(None, None, "data")
@@ -145,7 +137,7 @@ def test_a_non_finite_microbatch_is_left_out_of_both_passes_and_counted():
   value, grads, info = door(4, return_info=True, on_nonfinite="skip_microbatch")(poisoned, batch)
   assert int(info.num_skipped) == 1
   kept = jax.tree.map(lambda x: np.concatenate([x[:8], x[16:]]), batch)
-  expected_value, expected_grads = jax.value_and_grad(full_batch_loss)(poisoned, kept)
+  expected_value, expected_grads = plain_value_and_grad(full_batch_loss, poisoned, kept)
   tree_allclose(value, expected_value)
   tree_allclose(jax.tree.map(lambda g: jnp.nan_to_num(g), grads),
                 jax.tree.map(lambda g: jnp.nan_to_num(g), expected_grads))
@@ -160,9 +152,9 @@ def test_aux_comes_back_as_value_and_grad_reduces_it():
   vg = jax.jit(accum_jax.stats_value_and_grad(with_aux, moe.balance_loss, 4, has_aux=True,
                                               weight_fn=moe.tokens_of))
   (value, aux), grads = vg(params, batch)
-  expected_value, expected_grads = jax.value_and_grad(full_batch_loss)(params, batch)
+  expected_value, expected_grads = plain_value_and_grad(full_batch_loss, params, batch)
   tree_allclose((value, grads), (expected_value, expected_grads))
-  tree_allclose(aux["loss"], moe.loss_and_stats(params, batch)[0])
+  tree_allclose(aux["loss"], jax.jit(moe.loss_and_stats)(params, batch)[0])
 
 
 def test_the_step_loops_with_a_known_trip_count_and_nothing_inside():
