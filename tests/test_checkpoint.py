@@ -10,9 +10,10 @@ Two doors, one Linen model with BatchNorm and dropout:
   stepped by ``accum_jax.value_and_grad`` over 4 microbatches. A call holds no
   state between its microbatches, so it is saved between steps.
 
-Run as a script, this module is the fresh process:
-``python test_checkpoint.py DOOR CHECKPOINT_DIR OUTPUT_NPZ`` restores the
-checkpoint, trains to the end and saves the final state's leaves.
+Run as a script, this module is the fresh process, one for the three:
+``python test_checkpoint.py DIRECTORY`` restores each door's checkpoint
+``DIRECTORY/DOOR``, trains to the end and saves the final state's leaves in
+``DIRECTORY/DOOR.npz``.
 """
 
 from __future__ import annotations
@@ -119,7 +120,7 @@ def restore(path: Path, door: str) -> TrainState:
 
 
 def resume(door: str, checkpoint: Path, output: Path) -> None:
-  """The fresh process: restore, check it is mid-run, train to the end, save leaves."""
+  """In the fresh process: restore, check it is mid-run, train to the end, save leaves."""
   state = restore(checkpoint, door)
   assert type(state) is TrainState, type(state)
   assert int(state.step) == CHECKPOINT_AFTER[door], state.step
@@ -139,33 +140,33 @@ def resume(door: str, checkpoint: Path, output: Path) -> None:
 # The tests.
 
 
-def _run_test(door: str, tmp_path: Path) -> None:
+DOORS = tuple(OPTIMIZERS)
+
+
+@pytest.fixture(scope="module")
+def resumed_leaves(tmp_path_factory) -> dict[str, list[np.ndarray]]:
+  """Each door's run stopped and saved here, then restored and trained to its end
+  in one fresh process (one for all the doors: a process costs its imports):
+  the final state's leaves, by door."""
+  directory = tmp_path_factory.mktemp("fresh_process")
+  for door in DOORS:
+    save(directory / door, train(make_state(door), door, range(CHECKPOINT_AFTER[door])))
+  subprocess.run([sys.executable, __file__, str(directory)], check=True)
+  leaves = {}
+  for door in DOORS:
+    with np.load(directory / f"{door}.npz") as final:
+      leaves[door] = [final[f"arr_{i}"] for i in range(len(final.files))]
+  return leaves
+
+
+@pytest.mark.parametrize("door", DOORS)
+def test_a_run_resumed_mid_window_in_a_fresh_process_is_bitwise_equal(door, resumed_leaves):
+  # accumulate and MultiSteps stop in mid-window; the value_and_grad loop between steps.
   uninterrupted = train(make_state(door), door, range(TOTAL_CALLS[door]))
-  stopped = train(make_state(door), door, range(CHECKPOINT_AFTER[door]))
-  save(tmp_path / "checkpoint", stopped)
-  del stopped
-  subprocess.run(
-      [sys.executable, __file__, door, str(tmp_path / "checkpoint"), str(tmp_path / "final.npz")],
-      check=True,
-  )
-  with np.load(tmp_path / "final.npz") as final:
-    resumed = [final[f"arr_{i}"] for i in range(len(final.files))]
   expected = jax.tree.leaves_with_path(uninterrupted)
-  assert len(resumed) == len(expected)
-  for (path, x), y in zip(expected, resumed):
+  assert len(resumed_leaves[door]) == len(expected)
+  for (path, x), y in zip(expected, resumed_leaves[door]):
     assert np.array_equal(np.asarray(x), y), f"at {jax.tree_util.keystr(path)}"
-
-
-def test_accumulate_resumed_mid_window_in_a_fresh_process_is_bitwise_equal(tmp_path):
-  _run_test("accumulate", tmp_path)
-
-
-def test_multisteps_resumed_mid_window_in_a_fresh_process_is_bitwise_equal(tmp_path):
-  _run_test("multisteps", tmp_path)
-
-
-def test_value_and_grad_loop_resumed_between_steps_in_a_fresh_process_is_bitwise_equal(tmp_path):
-  _run_test("value_and_grad", tmp_path)
 
 
 # ---------------------------------------------------------------------------
@@ -344,5 +345,6 @@ def test_a_state_of_another_optimizer_is_refused_naming_what_differs(tmp_path):
     accum_jax.checkpoint.load(tmp_path / "checkpoint", target)
 
 
-if __name__ == "__main__":
-  resume(sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]))
+if __name__ == "__main__":  # the fresh process of `resumed_leaves`
+  for door in DOORS:
+    resume(door, Path(sys.argv[1]) / door, Path(sys.argv[1]) / f"{door}.npz")
