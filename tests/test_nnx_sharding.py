@@ -156,11 +156,26 @@ def _expected_spec(path: tuple[Any, ...], ndim: int) -> P:
   return _padded(P(*_axes(NAMES[path])) if path in NAMES else P(), ndim)
 
 
+@pytest.fixture(scope="module")
+def reference_steps() -> tuple[list[Any], Any]:
+  """Plain ``nnx.value_and_grad`` on one device: each step's loss and gradients,
+  and the parameters after the last step (the same for every form)."""
+  reference, reference_optimizer = _create(None, _mesh())
+  reference_step = _train_step(nnx.value_and_grad(loss_fn, has_aux=True))
+  steps = []
+  for batch in _batches():
+    loss, grads = reference_step(reference, reference_optimizer, batch)
+    steps.append((loss, nnx.to_pure_dict(grads)))
+  return steps, nnx.to_pure_dict(nnx.state(reference, nnx.Param))
+
+
 @pytest.mark.parametrize("form", FORMS)
-def test_the_tutorials_train_step_on_a_mesh_equals_one_device_and_keeps_the_annotations(form):
+def test_the_tutorials_train_step_on_a_mesh_equals_one_device_and_keeps_the_annotations(
+    form, reference_steps
+):
   mesh = _mesh()
   model, optimizer = _create(form, mesh)
-  reference, reference_optimizer = _create(None, mesh)
+  expected_steps, expected_params = reference_steps
   for path, param in nnx.to_flat_state(nnx.state(model, nnx.Param)):
     if path in NAMES:  # Flax placed it; the others are wherever JAX put them
       assert param[...].sharding.spec == _expected_spec(path, param[...].ndim), path
@@ -171,7 +186,6 @@ def test_the_tutorials_train_step_on_a_mesh_equals_one_device_and_keeps_the_anno
           data_parallel=accum_jax.DataParallel(mesh=mesh, data_axis="batch")
   )
   train_step = _train_step(grad_fn)
-  reference_step = _train_step(nnx.value_and_grad(loss_fn, has_aux=True))
   rows = NamedSharding(mesh, P("batch", None))
   # Under nnx.jit only the metadata shows that a parameter is sharded over the data
   # axis: then each microbatch's gradient is reduce-scattered into its shard.
@@ -182,20 +196,15 @@ def test_the_tutorials_train_step_on_a_mesh_equals_one_device_and_keeps_the_anno
   scattered = [c.axes for c in per_microbatch if c.kind == "reduce-scatter"]
   assert scattered == [("batch",)] * sum("batch" in _axes(names) for names in NAMES.values())
 
-  for batch in _batches():
+  for batch, expected in zip(_batches(), expected_steps, strict=True):
     with _rules(form):
       loss, grads = train_step(model, optimizer, jax.device_put(batch, rows))
-    expected_loss, expected_grads = reference_step(reference, reference_optimizer, batch)
-
-    tree_allclose(
-        (loss, nnx.to_pure_dict(grads)), (expected_loss, nnx.to_pure_dict(expected_grads)),
-        rtol=RTOL, atol=ATOL,
-    )
+    tree_allclose((loss, nnx.to_pure_dict(grads)), expected, rtol=RTOL, atol=ATOL)
     for path, grad in nnx.to_flat_state(grads):
       spec = _padded(grad[...].sharding.spec, grad[...].ndim)
       assert spec == _expected_spec(path, grad[...].ndim), (path, grad[...].sharding)
-  tree_allclose(nnx.to_pure_dict(nnx.state(model, nnx.Param)),
-                nnx.to_pure_dict(nnx.state(reference, nnx.Param)), rtol=RTOL, atol=ATOL)
+  tree_allclose(nnx.to_pure_dict(nnx.state(model, nnx.Param)), expected_params,
+                rtol=RTOL, atol=ATOL)
 
 
 def test_logical_names_without_their_rules_name_the_variable_and_the_fix():
