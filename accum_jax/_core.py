@@ -43,7 +43,8 @@ reduce-scatter across devices sums. :func:`share_result` multiplies the total by
 Each leaf combines in one of four ways (``kinds``, one per leaf; None: all
 ``"mean"``): ``"mean"`` and ``"sum"`` are the weighted sums above, normalised
 differently at the end; ``"max"`` and ``"last"`` are statistics, whose raw values
-are kept (``_statistics``). Dtypes and placement are in ``_arrays``.
+are kept (``_statistics``). Dtypes, placement and the finiteness checks are in
+``_arrays``.
 """
 
 from __future__ import annotations
@@ -55,7 +56,10 @@ import jax
 import jax.numpy as jnp
 
 from accum_jax._arrays import (  # noqa: F401  (re-exported: the core's vocabulary)
+    PACK_LIMIT,
     accumulator_dtype_for,
+    all_finite,
+    all_finite_packed,
     canonicalize_accumulator_dtype,
     explicitly_sharded,
     is_narrow,
@@ -105,64 +109,12 @@ def init(tree: Any, accumulator_dtype: Any = jnp.float32, kinds: Any = None) -> 
   "max" or "last" leaf (``kinds``, see :func:`per_leaf`) the leaf's own.
   """
   return Accumulator(
-      total=_map_kinds(functools.partial(init_leaf, accumulator_dtype=accumulator_dtype),
-                       kinds, tree),
+      total=map_kinds(functools.partial(_sum_zeros, accumulator_dtype=accumulator_dtype),
+                      kinds, tree, statistic=_statistic_zeros),
       weight=jnp.zeros((), jnp.float32),
       count=jnp.zeros((), jnp.int32),
       num_skipped=jnp.zeros((), jnp.int32),
   )
-
-
-def all_finite(tree: Any) -> jax.Array:
-  """True iff every floating leaf of ``tree`` is free of NaN and Inf; shape=().
-
-  ``sum(x - x) == 0``: a finite value minus itself is an exact zero, while NaN
-  and Inf give NaN, which every sum keeps, so no sum of large finite values can
-  overflow into a false alarm. One fused pass per leaf that reads it once and
-  writes nothing (``x * 0`` would have XLA multiply by an array of zeros it
-  materialises; ``all(isfinite(x))`` writes a boolean array and reduces it,
-  three times slower on CPU), and no conditional: on a GPU one would make the
-  host wait.
-  """
-  zeros = []
-  for x in jax.tree.leaves(tree):
-    x = jnp.asarray(x)
-    if jnp.issubdtype(x.dtype, jnp.inexact):
-      zeros.append(jnp.sum(x - x, dtype=jnp.promote_types(x.dtype, jnp.float32)))
-  if not zeros:
-    return jnp.array(True)
-  return functools.reduce(jnp.add, zeros) == 0
-
-
-# Leaves of at most this many elements are packed into one vector per dtype for
-# the finiteness check; larger ones are checked where they lie.
-PACK_LIMIT = 1 << 16
-
-
-def all_finite_packed(tree: Any, limit: int = PACK_LIMIT) -> jax.Array:
-  """:func:`all_finite` with the small leaves checked together: one reduction per dtype.
-
-  The leaves of each dtype of at most ``limit`` elements (:data:`PACK_LIMIT` by
-  default), and not sharded, are raveled into one vector, then checked as
-  :func:`all_finite` checks a leaf. For a call that only accumulates, a
-  reduction per leaf is most of the cost with many small leaves (a kernel each
-  on a GPU, several fusions each where XLA:CPU splits a reduction); the
-  concatenation is one more pass over them. A large leaf's reduction costs its
-  bytes, not its launch, and a sharded one is checked where it lies: packing it
-  would gather it.
-  """
-  groups: dict[Any, list[jax.Array]] = {}
-  alone: list[jax.Array] = []
-  for x in jax.tree.leaves(tree):
-    x = jnp.asarray(x)
-    if not jnp.issubdtype(x.dtype, jnp.inexact):
-      continue
-    if x.size <= limit and not is_sharded(x):
-      groups.setdefault(x.dtype, []).append(jnp.ravel(x))
-    else:
-      alone.append(x)
-  vectors = [parts[0] if len(parts) == 1 else jnp.concatenate(parts) for parts in groups.values()]
-  return all_finite(vectors + alone)
 
 
 def per_leaf(kinds: Any, tree: Any) -> list[str]:
@@ -180,12 +132,14 @@ def gradient_leaves(tree: Any, kinds: Any) -> list[Any]:
           if not is_statistic(kind)]
 
 
-def init_leaf(x: Any, kind: str, accumulator_dtype: Any) -> jax.Array:
-  """The empty accumulator of one leaf: a statistic in the leaf's own dtype (its
-  max or last value is exact there), a sum in the accumulator dtype."""
-  if is_statistic(kind):
-    return zeros_like(x)
+def _sum_zeros(x: Any, kind: str, accumulator_dtype: Any) -> jax.Array:
+  """The empty sum of one leaf, in its accumulator dtype."""
   return zeros_like(x, accumulator_dtype_for(x.dtype, accumulator_dtype))
+
+
+def _statistic_zeros(x: Any, kind: str) -> jax.Array:
+  """The empty statistic of one leaf, in its own dtype: its max or last value is exact there."""
+  return zeros_like(x)
 
 
 class Admission(NamedTuple):
@@ -243,12 +197,22 @@ def _counted(acc: Accumulator, admission: Admission, total: Any, weight: jax.Arr
   )
 
 
-def _map_kinds(fun: Any, kinds: Any, tree: Any, *rest: Any) -> Any:
-  """``jax.tree.map(fun)`` over ``tree`` and ``rest``, with each leaf's kind last."""
-  if kinds is None:  # every leaf a "mean": no kinds to lay out
-    return jax.tree.map(functools.partial(fun, kind="mean"), tree, *rest)
-  kinds_tree = jax.tree.unflatten(jax.tree.structure(tree), per_leaf(kinds, tree))
-  return jax.tree.map(fun, tree, *rest, kinds_tree)
+def map_kinds(fun: Any, kinds: Any, tree: Any, *rest: Any, statistic: Any = None) -> Any:
+  """``jax.tree.map`` over ``tree`` and ``rest``, with each leaf's kind last: a
+  weighted-sum leaf ("mean", "sum") by ``fun``, a "max" or "last" leaf by
+  ``statistic`` (default ``fun``). ``kinds`` as for :func:`per_leaf`; where it is
+  None, every leaf is a "mean" and no leaf's kind is asked about."""
+  statistic = fun if statistic is None else statistic
+  if kinds is None or isinstance(kinds, str):  # one kind for every leaf
+    kind = kinds or "mean"
+    chosen = fun if kinds is None or not is_statistic(kind) else statistic
+    return jax.tree.map(functools.partial(chosen, kind=kind), tree, *rest)
+
+  def by_kind(*leaves):
+    return (statistic if is_statistic(leaves[-1]) else fun)(*leaves)
+
+  kinds_tree = jax.tree.unflatten(jax.tree.structure(tree), list(kinds))
+  return jax.tree.map(by_kind, tree, *rest, kinds_tree)
 
 
 def add(
@@ -306,7 +270,7 @@ def add(
     # `where`, not a product with `keep`: 0 * NaN is NaN.
     return jnp.where(keep, new, total)
 
-  total = _map_kinds(add_leaf, kinds, acc.total, tree) if leafwise is None else leafwise(add_leaf)
+  total = map_kinds(add_leaf, kinds, acc.total, tree) if leafwise is None else leafwise(add_leaf)
   return _counted(acc, admission, total, new_weight), keep
 
 
@@ -347,15 +311,16 @@ def add_share(
   first = acc.weight == 0
 
   def add_leaf(total, x, kind):
-    if is_statistic(kind):
-      return add_statistic(kind, total, x, admission.keep, first)
     if is_narrow(total.dtype):
       mean = total.astype(jnp.float32)
       new = mean * (1.0 - kept_weight / safe) + x.astype(jnp.float32) * (batch_weight / safe)
       return new.astype(total.dtype)
     return total + x.astype(total.dtype)
 
-  total = _map_kinds(add_leaf, kinds, acc.total, shares)
+  def add_kept(total, x, kind):
+    return add_statistic(kind, total, x, admission.keep, first)
+
+  total = map_kinds(add_leaf, kinds, acc.total, shares, statistic=add_kept)
   return _counted(acc, admission, total, new_weight)
 
 
@@ -368,7 +333,8 @@ def share_factor(acc: Accumulator, batch_weight: jax.Array) -> jax.Array:
 
 
 def share_result(
-    acc: Accumulator, like: Any, batch_weight: jax.Array, kinds: Any = None
+    acc: Accumulator, like: Any, batch_weight: jax.Array, kinds: Any = None,
+    every_kept: bool = False,
 ) -> Any:
   """The mean over the kept microbatches of an :func:`add_share` accumulator.
 
@@ -382,21 +348,28 @@ def share_result(
     like: a pytree (of arrays or shape-dtype structs) with the target dtypes.
     batch_weight: as for :func:`add_share`.
     kinds: per leaf, see :func:`per_leaf`.
+    every_kept: every microbatch was added with weight 1 (no weight was given
+      and none can be left out), as the caller knows before the loop: then
+      ``sum_kept w_i == W``, and the wide "mean" leaves are the mean as they are.
 
   Returns:
     A pytree with the structure of ``acc.total`` and the dtypes of ``like``.
   """
-  factor = share_factor(acc, batch_weight)
+  factor = None if every_kept else share_factor(acc, batch_weight)
 
   def finish(total, x, kind):
-    if is_statistic(kind):
-      return statistic_result(total, x.dtype, acc.weight)
     if is_narrow(total.dtype):
       return _narrow_result(total, acc.weight, kind).astype(x.dtype)
-    scale = factor if kind == "mean" else batch_weight
-    return (total * scale.astype(total.dtype)).astype(x.dtype)
+    if kind == "sum":
+      return (total * batch_weight.astype(total.dtype)).astype(x.dtype)
+    if factor is None:  # every microbatch kept: the sum of the shares is the mean
+      return total.astype(x.dtype)
+    return (total * factor.astype(total.dtype)).astype(x.dtype)
 
-  return _map_kinds(finish, kinds, acc.total, like)
+  def kept(total, x, kind):
+    return statistic_result(total, x.dtype, acc.weight)
+
+  return map_kinds(finish, kinds, acc.total, like, statistic=kept)
 
 
 def _narrow_result(mean: jax.Array, weight: jax.Array, kind: str) -> jax.Array:
@@ -423,15 +396,16 @@ def result(acc: Accumulator, like: Any, reduction: Any = "mean") -> Any:
 
   def finish(total, x, kind):
     dtype = jax.dtypes.canonicalize_dtype(x.dtype)  # a numpy float64 leaf: float32
-    if is_statistic(kind):
-      return statistic_result(total, dtype, acc.weight)
     if is_narrow(total.dtype):  # total holds the mean
       return _narrow_result(total, acc.weight, kind).astype(dtype)
     if kind == "sum":
       return total.astype(dtype)
     return (total / divisor.astype(total.dtype)).astype(dtype)
 
-  return _map_kinds(finish, reduction, acc.total, like)
+  def kept(total, x, kind):
+    return statistic_result(total, jax.dtypes.canonicalize_dtype(x.dtype), acc.weight)
+
+  return map_kinds(finish, reduction, acc.total, like, statistic=kept)
 
 
 def sum_fits(acc: Accumulator, like: Any, kinds: Any = None) -> jax.Array:

@@ -48,16 +48,20 @@ def step_fusions():
 
 @pytest.mark.xla_fact
 def test_the_step_check_after_the_loop_is_a_few_fusions_not_one_per_leaf(step_fusions):
-  """XLA:CPU makes the default's check of the packed sums after the loop (a copy and
-  a reduction, which it may split) at most 8 top-level fusions more than
-  ``on_nonfinite="unchecked"``'s step: 102 against 98 on JAX 0.10.2. Unpacked, a
-  reduction per leaf would add 48 or more (two each where XLA:CPU splits them).
+  """XLA:CPU makes the default's step at most 8 top-level fusions more than
+  ``on_nonfinite="unchecked"``'s, besides one select per leaf: the NaN a skipped
+  step's gradient takes, which the unchecked step does not write (its result is the
+  sums as they are). The 8 are the check of the packed sums after the loop (a copy
+  and a reduction, which it may split): 100 against 48 for 48 leaves on JAX 0.10.2.
+  Unpacked, a reduction per leaf would add 48 or more (two each where XLA:CPU splits
+  them).
 
-  On a JAX upgrade that changes it: print ``step_fusions``; if the difference still
-  does not grow with the leaves (set ``test_step_cost.LAYERS`` to 48 and compare),
-  update the 8; if it does, the check is no longer packed, a regression.
+  On a JAX upgrade that changes it: print ``step_fusions``; if the difference less
+  the leaves still does not grow with them (set ``test_step_cost.LAYERS`` to 48 and
+  compare), update the 8; if it does, the check is no longer packed, a regression.
   """
-  assert step_fusions["default"] - step_fusions["no skip"] <= 8, step_fusions
+  leaves = len(jax.tree.leaves(step_cost._params()))
+  assert step_fusions["default"] - step_fusions["no skip"] - leaves <= 8, step_fusions
 
 
 # ---------------------------------------------------------------------------

@@ -96,8 +96,11 @@ def finalise(sums: LocalSums, call: _call.Call) -> Any:
   returned = shapes.grads
   if options.gradient_dtype is not None:
     returned = _returned(shapes.grads, options.gradient_dtype)
+  # Without a weight_fn, and with no microbatch left out on its own, every one is
+  # kept: the sums are the batch's mean as they are.
+  every_kept = options.weight_fn is None and options.on_nonfinite != "skip_microbatch"
   value, grads = _core.share_result(acc, (shapes.value, returned), sums.batch_weight,
-                                    shapes.kinds)
+                                    shapes.kinds, every_kept)
   # Every microbatch skipped: NaN, as on the whole batch, rather than a loss of
   # 0 that hides it (accumulate, apply_if_finite... then skip the step too).
   nothing_kept = (acc.weight == 0) & (acc.num_skipped > 0)
@@ -161,15 +164,15 @@ def _skipped_grads(call: _call.Call, grads: Any, skipped: jax.Array) -> Any:
   so a skipped step leaves it where it was, as it leaves the threaded state: a
   NaN scale would make every later step NaN.
   """
-  kinds = call.shapes.grad_kinds or ("mean",) * len(jax.tree.leaves(grads))
-  params = jax.tree.leaves(call.diff)
-  leaves = [
-      jnp.where(skipped, jnp.asarray(old).astype(g.dtype), g) if _core.is_statistic(kind)
-      else jnp.where(skipped, jnp.nan, g) if jnp.issubdtype(g.dtype, jnp.inexact)
-      else g
-      for g, old, kind in zip(jax.tree.leaves(grads), params, kinds, strict=True)
-  ]
-  return jax.tree.unflatten(jax.tree.structure(grads), leaves)
+
+  def nan(g, old, kind):
+    return jnp.where(skipped, jnp.nan, g) if jnp.issubdtype(g.dtype, jnp.inexact) else g
+
+  def unchanged(g, old, kind):
+    return jnp.where(skipped, jnp.asarray(old).astype(g.dtype), g)
+
+  # The parameters are structured as their gradient is (`_call.diff_args`).
+  return _core.map_kinds(nan, call.shapes.grad_kinds, grads, call.diff, statistic=unchanged)
 
 
 # The largest leaf (in elements) the step's check packs with the others.
