@@ -132,6 +132,13 @@ def gradient_leaves(tree: Any, kinds: Any) -> list[Any]:
           if not is_statistic(kind)]
 
 
+def init_leaf(x: Any, kind: str, accumulator_dtype: Any) -> jax.Array:
+  """The empty accumulator of one leaf of ``kind``, as :func:`init` makes it."""
+  if is_statistic(kind):
+    return _statistic_zeros(x, kind)
+  return _sum_zeros(x, kind, accumulator_dtype)
+
+
 def _sum_zeros(x: Any, kind: str, accumulator_dtype: Any) -> jax.Array:
   """The empty sum of one leaf, in its accumulator dtype."""
   return zeros_like(x, accumulator_dtype_for(x.dtype, accumulator_dtype))

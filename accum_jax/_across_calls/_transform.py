@@ -163,9 +163,8 @@ def _empty_window(options: _Options, grads_like: Any, kinds: Any, packed: bool) 
       first.committed)
   device = first.sharding if committed else None
   vectors = [jnp.zeros(n, d, device=device) for n, d in zip(layout.sizes, dtypes)]
-  alone = [s is None for s in layout.slots]
-  kept = _core.init([x for x, a in zip(leaves, alone) if a], options.accumulator_dtype,
-                    [k for k, a in zip(kinds, alone) if a]).total
+  kept = [_core.init_leaf(x, k, options.accumulator_dtype)
+          for x, k, s in zip(leaves, kinds, layout.slots) if s is None]
   return _layout.packed_with(layout, vectors, kept)
 
 
