@@ -15,7 +15,8 @@ calls: the hand-written two-jit loop (the floor: a micro-step that adds the floa
 gradient into a donated accumulator, an applying step that adds, takes the mean, runs
 AdamW and applies it, chosen by a modulo); the same with a micro-step that returns no
 parameters; ``accumulate(adamw)`` by default and with the tree layout, each with
-``apply=HostSchedule.next()`` in one jitted step; ``optax.MultiSteps``; and, over
+``apply=HostSchedule.next()`` in one jitted step; the default in two jitted steps, the
+one that only adds returning no parameters; ``optax.MultiSteps``; and, over
 ``nnx.State``, ``nnx.Optimizer`` holding ``optax.MultiSteps`` or ``accumulate`` under
 ``nnx.jit``, and the README's NNX loop as written, with ``nnx.cached_partial``, with
 ``nnx.split``/``nnx.merge`` around ``jax.jit``, and with ``nnx.jit_partial(graph=False)``.
@@ -78,6 +79,7 @@ ARRAYS, STATE = "plain arrays", "nnx.State"
 FLOOR = "modulo loop, two jits (floor)"
 LEAN = "modulo loop, two jits, no parameters out of the micro-step"
 HOST = "accumulate(adamw), HostSchedule"
+HOST_LEAN = "accumulate(adamw), HostSchedule, no parameters out of a call that only adds"
 TREE = "accumulate(adamw, layout='tree'), HostSchedule"
 MULTISTEPS = "optax.MultiSteps(adamw)"
 NNX_MULTISTEPS = "nnx.Optimizer(optax.MultiSteps(adamw)), nnx.jit"
@@ -272,6 +274,44 @@ def transform_loop(problem: Problem, tokens: np.ndarray, tx: optax.GradientTrans
   return Loop(len(tokens), EVERY_K, step, (params, state), programs)
 
 
+def lean_transform_loop(problem: Problem, tokens: np.ndarray,
+                        tx: optax.GradientTransformation) -> Loop:
+  """``tx`` in two jitted steps chosen by ``HostSchedule.next()``: a call that only
+  adds takes the parameters without donating them and returns only the state and the
+  loss; an applying call donates both and returns the new parameters."""
+
+  def gradient_and_update(params, state, tokens, apply):
+    value, grads = jax.value_and_grad(problem.loss)(params, tokens)
+    updates, state = tx.update(grads, state, params, apply=apply)
+    return updates, state, value
+
+  @functools.partial(jax.jit, donate_argnums=1)
+  def add_step(params, state, tokens):
+    _, state, value = gradient_and_update(params, state, tokens, False)
+    return state, value
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1))
+  def apply_step(params, state, tokens):
+    updates, state, value = gradient_and_update(params, state, tokens, True)
+    return optax.apply_updates(params, updates), state, value
+
+  params = problem.fresh_params()
+  state = _init(tx.init, params)
+  schedule = accum_jax.HostSchedule(state)
+
+  def step(call, carry, tokens):
+    params, state = carry
+    if schedule.next():
+      params, state, value = apply_step(params, state, tokens)
+    else:
+      state, value = add_step(params, state, tokens)
+    return (params, state), value
+
+  args = (params, state, tokens)
+  programs = {"adding": (add_step, args, {}), "applying": (apply_step, args, {})}
+  return Loop(len(tokens), EVERY_K, step, (params, state), programs)
+
+
 def whole_batch(problem: Problem, tokens: np.ndarray, inner: optax.GradientTransformation,
                 value_and_grad: Callable) -> Loop:
   """One call a batch of 8 microbatches: ``value_and_grad`` of it, then the optimizer."""
@@ -397,6 +437,7 @@ def loop_builders(problem: Problem) -> dict[str, Callable[[np.ndarray], Loop]]:
     }
   builders |= {
       LEAN: lambda t: modulo_floor(problem, t, adamw, lean=True),
+      HOST_LEAN: lambda t: lean_transform_loop(problem, t, accumulate_default(adamw, EVERY_K)),
       TREE: lambda t: transform_loop(problem, t, accumulate_tree(adamw, EVERY_K), host=True),
       MULTISTEPS: lambda t: transform_loop(
           problem, t, optax.MultiSteps(adamw, EVERY_K).gradient_transformation(), host=False),

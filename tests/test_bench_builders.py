@@ -108,6 +108,8 @@ def test_every_loop_of_bench_loop_trains_alike_in_both_containers():
     assert buffers[bench_loop.HOST]["adding_in"] == buffers[bench_loop.TREE]["adding_in"]
     assert (buffers[bench_loop.LEAN]["adding_out"]
             == buffers[bench_loop.FLOOR]["adding_out"] - len(start))
+    assert (buffers[bench_loop.HOST_LEAN]["adding_out"]
+            == buffers[bench_loop.HOST]["adding_out"] - len(start))
   tables = bench_loop.tables(results[bench_loop.ARRAYS])
   assert bench_loop.SCAN in tables[bench_loop.INSIDE]
   assert bench_loop.SCAN not in tables[bench_loop.ACROSS]
