@@ -211,10 +211,9 @@ def floor_steps(loss: Callable, inner: optax.GradientTransformation, *, lean: bo
   return micro_step, apply_step
 
 
-def train_step(tx: optax.GradientTransformation, loss: Callable, *, host: bool) -> Callable:
-  """The README's step over plain parameters: the gradient, ``tx.update``,
-  ``apply_updates``, jitted with parameters and state donated; ``host``: ``apply``
-  static, two programs."""
+def _step(tx: optax.GradientTransformation, loss: Callable) -> Callable:
+  """The README's step over plain parameters, not jitted: the gradient, ``tx.update``
+  (with ``apply`` where it is given), ``apply_updates``."""
 
   def step(params, state, tokens, apply=None):
     value, grads = jax.value_and_grad(loss)(params, tokens)
@@ -222,7 +221,25 @@ def train_step(tx: optax.GradientTransformation, loss: Callable, *, host: bool) 
     updates, state = tx.update(grads, state, params, **extra)
     return optax.apply_updates(params, updates), state, value
 
-  return jax.jit(step, donate_argnums=(0, 1), static_argnames="apply" if host else None)
+  return step
+
+
+def train_step(tx: optax.GradientTransformation, loss: Callable, *, host: bool) -> Callable:
+  """The README's step, jitted with parameters and state donated; ``host``: ``apply``
+  static, two programs."""
+  return jax.jit(_step(tx, loss), donate_argnums=(0, 1),
+                 static_argnames="apply" if host else None)
+
+
+def lean_steps(tx: optax.GradientTransformation, loss: Callable) -> tuple[Callable, Callable]:
+  """The README's step as two jitted programs: one that only adds, taking the
+  parameters without donating them and returning only the state and the loss, and
+  one that applies, donating both."""
+  step = _step(tx, loss)
+  add_step = jax.jit(lambda params, state, tokens: step(params, state, tokens, False)[1:],
+                     donate_argnums=1)
+  apply_step = jax.jit(functools.partial(step, apply=True), donate_argnums=(0, 1))
+  return add_step, apply_step
 
 
 # ---------------------------------------------------------------------------
@@ -279,22 +296,7 @@ def lean_transform_loop(problem: Problem, tokens: np.ndarray,
   """``tx`` in two jitted steps chosen by ``HostSchedule.next()``: a call that only
   adds takes the parameters without donating them and returns only the state and the
   loss; an applying call donates both and returns the new parameters."""
-
-  def gradient_and_update(params, state, tokens, apply):
-    value, grads = jax.value_and_grad(problem.loss)(params, tokens)
-    updates, state = tx.update(grads, state, params, apply=apply)
-    return updates, state, value
-
-  @functools.partial(jax.jit, donate_argnums=1)
-  def add_step(params, state, tokens):
-    _, state, value = gradient_and_update(params, state, tokens, False)
-    return state, value
-
-  @functools.partial(jax.jit, donate_argnums=(0, 1))
-  def apply_step(params, state, tokens):
-    updates, state, value = gradient_and_update(params, state, tokens, True)
-    return optax.apply_updates(params, updates), state, value
-
+  add_step, apply_step = lean_steps(tx, problem.loss)
   params = problem.fresh_params()
   state = _init(tx.init, params)
   schedule = accum_jax.HostSchedule(state)
@@ -647,7 +649,8 @@ GPT2_SMALL_TREE = {"layers": 12, "width": 768, "vocab": 50257, "context": 1024}
 
 
 def memory_section(sizes: dict[str, int] = GPT2_SMALL_TREE) -> dict[str, Any]:
-  """Both programs of the hand-written loop, ``accumulate`` default and tree, and
+  """Both programs of the hand-written loop, ``accumulate`` default and tree, the
+  default's two lean programs (:func:`lean_steps`), and
   ``accumulate``'s device schedule and ``optax.MultiSteps`` (one program for both
   calls), compiled for ``gpt2_tree``'s
   shapes at ``sizes`` in bfloat16 and a loss whose gradient takes no memory (a
@@ -677,6 +680,10 @@ def memory_section(sizes: dict[str, int] = GPT2_SMALL_TREE) -> dict[str, Any]:
     programs[name] = ({label: (jitted, args, {"apply": apply})
                        for label, apply in (("adding", False), ("applying", True))} if host
                       else dict.fromkeys(("adding", "applying"), (jitted, args, {})))
+  tx = accumulate_default(adamw, EVERY_K)
+  args = (params, jax.eval_shape(tx.init, params), tokens)
+  programs[HOST_LEAN] = {label: (jitted, args, {})
+                         for label, jitted in zip(("adding", "applying"), lean_steps(tx, loss))}
   out: dict[str, Any] = {"tree": sizes, "rows": {}}
   for name, calls in programs.items():
     entry = out["rows"][name] = {}

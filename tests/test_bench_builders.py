@@ -119,7 +119,8 @@ def test_every_loop_of_bench_loop_trains_alike_in_both_containers():
 def test_bench_loop_s_memory_section_compiles_every_program():
   memory = bench_loop.memory_section({"layers": 0, "width": 8, "vocab": 16, "context": 4})
   assert set(memory["rows"]) == {bench_loop.FLOOR, bench_loop.HOST, bench_loop.TREE,
-                                 bench_loop.DEVICE, bench_loop.MULTISTEPS}
+                                 bench_loop.DEVICE, bench_loop.MULTISTEPS,
+                                 bench_loop.HOST_LEAN}
   for name, entry in memory["rows"].items():
     for label in ("adding", "applying"):
       assert entry[label]["beyond_arguments_bytes"] >= 0, (name, entry)
