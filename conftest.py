@@ -1,5 +1,8 @@
+import atexit
 import os
 import re
+import shutil
+import tempfile
 
 import pytest
 
@@ -15,6 +18,17 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # CI jobs of the oldest and newest versions (.ci/oldest, .ci/newest) set it to 0 and
 # run their tests fully optimised; so can anyone, with JAX_DISABLE_MOST_OPTIMIZATIONS=0.
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+# Many tests compile the same program from closures of their own, which jax.jit's
+# in-memory cache cannot match: a compilation cache keyed by the program (JAX's
+# persistent cache) compiles each once per run, for both workers and the scripts
+# the tests start. A fresh directory each run, made by the process that starts the
+# workers (they inherit it), removed when the run ends: every run compiles from
+# nothing, as on a fresh machine. A directory given in the environment is used as is.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = _RUN_CACHE = tempfile.mkdtemp(prefix="accum_jax-xla-")
+  atexit.register(shutil.rmtree, _RUN_CACHE, ignore_errors=True)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist picks its default, --dist load
