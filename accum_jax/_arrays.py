@@ -110,6 +110,20 @@ def zeros_like(x: Any, dtype: Any = None) -> jax.Array:
   return jnp.zeros_like(x, dtype=dtype)
 
 
+def loop_zeros(x: Any, dtype: Any = None) -> jax.Array:
+  """Zeros shaped like ``x`` as a loop's initial carry, in ``dtype`` (default ``x``'s).
+
+  A constant, as a hand-written scan's zeros are: XLA places the loop's buffers
+  as their uses in the body ask, and under explicit sharding the zeros keep the
+  type's sharding. Not :func:`zeros_like`'s expression of ``x``, which is for
+  zeros a program returns: as a carry's start it is a buffer of its own beside
+  the loop's (on a GPT-2-small-shaped bfloat16 tree, the inside-step loop needed
+  1.62x the hand-written scan's memory beyond its arguments with it, 0.99x
+  without; ``bench/bench_step_memory.py``).
+  """
+  return jnp.zeros_like(x, jax.dtypes.canonicalize_dtype(x.dtype if dtype is None else dtype))
+
+
 def explicitly_sharded(x: Any) -> bool:
   """Whether the type of ``x`` (an array or a tracer) carries an explicit sharding
   over a mesh axis; under automatic sharding a tracer's type says nothing."""

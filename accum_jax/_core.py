@@ -64,6 +64,7 @@ from accum_jax._arrays import (  # noqa: F401  (re-exported: the core's vocabula
     explicitly_sharded,
     is_narrow,
     is_sharded,
+    loop_zeros,
     positive_int,
     zeros_like,
 )
@@ -102,19 +103,32 @@ class Accumulator(NamedTuple):
   num_skipped: jax.Array
 
 
-def init(tree: Any, accumulator_dtype: Any = jnp.float32, kinds: Any = None) -> Accumulator:
+def init(
+    tree: Any, accumulator_dtype: Any = jnp.float32, kinds: Any = None, *, in_loop: bool = False,
+) -> Accumulator:
   """An empty accumulator shaped like ``tree``, keeping its leaves' sharding.
 
   Each leaf's accumulator has the dtype :func:`accumulator_dtype_for` gives; a
-  "max" or "last" leaf (``kinds``, see :func:`per_leaf`) the leaf's own.
+  "max" or "last" leaf (``kinds``, see :func:`per_leaf`) the leaf's own. With
+  ``in_loop``, the initial carry of a loop inside a step: :func:`loop_zeros`.
   """
+  make = loop_zeros if in_loop else zeros_like
   return Accumulator(
-      total=map_kinds(functools.partial(_sum_zeros, accumulator_dtype=accumulator_dtype),
-                      kinds, tree, statistic=_statistic_zeros),
+      total=map_kinds(functools.partial(_sum_zeros, accumulator_dtype=accumulator_dtype,
+                                        make=make),
+                      kinds, tree, statistic=functools.partial(_statistic_zeros, make=make)),
       weight=jnp.zeros((), jnp.float32),
       count=jnp.zeros((), jnp.int32),
       num_skipped=jnp.zeros((), jnp.int32),
   )
+
+
+def zeros(tree: Any, accumulator_dtype: Any = jnp.float32) -> Any:
+  """The initial carry of a loop's sums shaped like ``tree``, each leaf in its
+  accumulator dtype (:func:`accumulator_dtype_for`), made by :func:`loop_zeros`:
+  the totals of ``init(..., in_loop=True)`` where every leaf is a "mean"."""
+  return jax.tree.map(functools.partial(
+      _sum_zeros, kind="mean", accumulator_dtype=accumulator_dtype, make=loop_zeros), tree)
 
 
 def per_leaf(kinds: Any, tree: Any) -> list[str]:
@@ -139,14 +153,14 @@ def init_leaf(x: Any, kind: str, accumulator_dtype: Any) -> jax.Array:
   return _sum_zeros(x, kind, accumulator_dtype)
 
 
-def _sum_zeros(x: Any, kind: str, accumulator_dtype: Any) -> jax.Array:
+def _sum_zeros(x: Any, kind: str, accumulator_dtype: Any, make: Any = zeros_like) -> jax.Array:
   """The empty sum of one leaf, in its accumulator dtype."""
-  return zeros_like(x, accumulator_dtype_for(x.dtype, accumulator_dtype))
+  return make(x, accumulator_dtype_for(x.dtype, accumulator_dtype))
 
 
-def _statistic_zeros(x: Any, kind: str) -> jax.Array:
+def _statistic_zeros(x: Any, kind: str, make: Any = zeros_like) -> jax.Array:
   """The empty statistic of one leaf, in its own dtype: its max or last value is exact there."""
-  return zeros_like(x)
+  return make(x)
 
 
 class Admission(NamedTuple):

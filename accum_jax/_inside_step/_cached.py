@@ -252,7 +252,7 @@ def _pull_back(
       {n: _split(options, args[n]) for n in call.batch_argnums},
       _split(options, cotangents),
   )
-  start = _core.init(shards if scatter else diff, options.accumulator_dtype)
+  start = _core.init(shards if scatter else diff, options.accumulator_dtype, in_loop=True)
   acc, _ = jax.lax.scan(jax.named_call(body, name="accum_jax_pull_back"), start, xs)
   return acc
 

@@ -189,7 +189,7 @@ def _initial_carry(dev: _Device, params: Any) -> _Carry:
   """
   options, shapes = dev.options, dev.shapes
   value = jnp.zeros((), jnp.promote_types(shapes.value.dtype, jnp.float32))
-  acc = _core.init((value, params), options.accumulator_dtype, shapes.kinds)
+  acc = _core.init((value, params), options.accumulator_dtype, shapes.kinds, in_loop=True)
   aux_sums = []
   if options.has_aux:
     aux_sums = [
