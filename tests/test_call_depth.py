@@ -27,8 +27,9 @@ PACKAGE = Path(accum_jax.__file__).resolve().parent
 # at once and a sharding test entered no generator; 55 before the recheck passes were
 # entered only by "skip_microbatch" and all-"mean" kinds were laid out by no per-leaf list;
 # 53 before a leaf's kind was asked about only where some leaf is a statistic, and the
-# kept weight read only where a microbatch can be left out.
-PLAIN_BOUND = 51
+# kept weight read only where a microbatch can be left out; 51 before a call of plain
+# options ran the plain scan (`_plain`), with no microbatch traced before its loop.
+PLAIN_BOUND = 35
 
 
 def _entered(run) -> dict[tuple[str, str], int]:

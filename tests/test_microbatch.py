@@ -763,6 +763,46 @@ def test_by_default_a_nan_gradient_under_a_finite_loss_skips_the_step_and_its_st
   tree_allclose(new_state, state)  # the state passed in, not the skipped step's
 
 
+def _masked_loss(p, b):
+  # Rows with a NaN x are masked out of the loss, not out of its gradient.
+  ok = jnp.isfinite(b["x"])
+  x = jnp.where(ok, b["x"], 0.0)
+  return mse_loss(p, dict(b, x=x)) + jnp.mean(jnp.where(ok, b["x"] * p["w1"][0, 0], 0.0))
+
+
+@pytest.mark.parametrize("bad_in", ["loss", "gradient"])
+def test_a_call_of_no_option_skips_a_nonfinite_step_as_the_loop_does(bad_in):
+  # A call that uses no option runs the plain scan; with return_info it runs the
+  # loop. Both judge the step by its sums: NaN in every leaf, its loss as it was.
+  params, batch = make_mlp_params(), make_batch()
+  bad = dict(batch, x=with_value(batch["x"], 3, np.nan))
+  loss = mse_loss if bad_in == "loss" else _masked_loss
+  value, grads = microbatched(loss, 4)(params, bad)
+  assert all(np.isnan(g).all() for g in jax.tree.leaves(grads))
+  assert np.isfinite(value) == (bad_in == "gradient")
+  looped, looped_grads, info = microbatched(loss, 4, return_info=True)(params, bad)
+  tree_allclose((value, grads), (looped, looped_grads))
+  assert bool(info.step_not_finite)
+  # A finite batch: the whole batch's value and gradient, as the loop gives them.
+  plain = microbatched(loss, 4)(params, batch)
+  tree_allclose(plain, reference(loss)(params, batch))
+  tree_allclose(plain, microbatched(loss, 4, return_info=True)(params, batch)[:2], rtol=1e-6)
+
+
+def test_a_call_of_no_option_returns_the_dtypes_jax_value_and_grad_does():
+  # bfloat16 parameters, a bfloat16 loss: summed in float32, returned as given.
+  params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), make_mlp_params())
+
+  def loss(p, b):
+    return mse_loss(p, b).astype(jnp.bfloat16)
+
+  value, grads = microbatched(loss, 4)(params, make_batch())
+  ref_value, ref_grads = reference(loss)(params, make_batch())
+  assert value.dtype == ref_value.dtype == jnp.bfloat16
+  assert jax.tree.map(lambda g: g.dtype, grads) == jax.tree.map(lambda g: g.dtype, ref_grads)
+  tree_allclose((value, grads), (ref_value, ref_grads), rtol=2e-2, atol=2e-2)
+
+
 def test_with_skip_nonfinite_false_a_nan_microbatch_poisons_the_result():
   params, batch = make_mlp_params(), make_batch()
   bad = dict(batch, x=with_value(batch["x"], 3, np.nan))

@@ -76,13 +76,13 @@ def bind(
 @overload
 def bind(
     options: _options.Options, args: tuple[Any, ...], kwargs: dict[str, Any] | None,
-    grad_fun: Callable[..., Any],
+    grad_fun: _trace.Checked,
 ) -> Call: ...
 
 
 def bind(
     options: _options.Options, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None,
-    grad_fun: Callable[..., Any] | None = None,
+    grad_fun: _trace.Checked | None = None,
 ) -> Bound:
   """Resolves one call's positional ``args``: their roles, the batch's sizes, how
   each gradient leaf combines and, under a mesh, the checked reduction plan: a
@@ -115,9 +115,9 @@ def bind(
   return call if grad_fun is None else traced(call, grad_fun)
 
 
-def traced(call: Bound, grad_fun: Callable[..., Any]) -> Call:
+def traced(call: Bound, grad_fun: _trace.Checked) -> Call:
   """``call`` with one microbatch of ``grad_fun`` traced (:func:`_trace.trace`)."""
-  fun = _trace.Fun(grad_fun, call.options, call.batch_argnums, call.kwargs)  # type: ignore[arg-type]
+  fun = _trace.Fun(grad_fun, call.options, call.batch_argnums, call.kwargs)
   params, plan = call.diff, call.plan
   # The parameters as fun sees them: full-size, in the dtype they are gathered in.
   seen = params if plan is None else jax.tree.map(

@@ -3,16 +3,21 @@
 :func:`value_and_grad` is a short composition of the steps below::
 
   options = _options.make(...)                    # once, when it is built
-  call = _call.bind(options, args, kwargs,        # per call: batch, sizes, gradient kinds,
-                    grad_fun)                     # the plan under a mesh, one microbatch
-                                                  # traced (its shapes, aux reductions); checked
+  call = _call.bind(options, args, kwargs)        # per call: batch, sizes, gradient kinds,
+                                                  # the plan under a mesh; checked
+  if _plain.takes(call):                          # no option used, every leaf a "mean":
+    return _plain.run(call, grad_fun)             # the hand-written scan and one check
+  call = _call.traced(call, grad_fun)             # one microbatch traced (its shapes,
+                                                  # aux reductions)
   sums = _loop.local_sums(call, ...)              # scan: each microbatch's share
          (or _across_devices.run(...))            # per device, reduced as planned
   return _result.finalise(sums, call)             # normalise, cast, reduce aux
 
 Data go one way: after ``bind``, the loop and the finalisation read the
 :class:`_call.Call` and call nothing above the modules they import. A call
-without a mesh enters none of :mod:`._sharding` and :mod:`._across_devices`.
+without a mesh enters none of :mod:`._sharding` and :mod:`._across_devices`; a
+call of plain options enters none of :mod:`._loop` and :mod:`._result`'s
+functions either.
 :func:`grad` and the other doors (cached, statistics, the framework front ends)
 build on the same options and binding.
 """
@@ -27,7 +32,15 @@ import jax
 import jax.numpy as jnp
 
 from accum_jax import _arguments
-from accum_jax._inside_step import _across_devices, _call, _loop, _options, _result, _trace
+from accum_jax._inside_step import (
+  _across_devices,
+  _call,
+  _loop,
+  _options,
+  _plain,
+  _result,
+  _trace,
+)
 from accum_jax._inside_step._batching import Split, divisors  # noqa: F401  (re-exported for the planner)
 from accum_jax._inside_step._options import AuxReduction
 
@@ -118,7 +131,10 @@ def of_options(fun: Callable[..., Any], options: _options.Options) -> Callable[.
 
   @functools.wraps(fun)
   def wrapped(*args, **kwargs):
-    return of_call(_call.bind(options, args, kwargs, grad_fun))  # type: ignore[call-overload]
+    call = _call.bind(options, args, kwargs)
+    if _plain.takes(call):
+      return _plain.run(call, grad_fun)
+    return of_call(_call.traced(call, grad_fun))
 
   return wrapped
 

@@ -66,6 +66,7 @@ class Options(NamedTuple):
   checks_finite: bool  # NaN or Inf is looked for at all (anything but "unchecked")
   propagates: bool  # on_nonfinite="propagate": one check after the loop, the gradient NaN
   data_parallel: bool  # a mesh or a data axis is given
+  plain: bool  # nothing beyond the argument numbers and a wide accumulator: `_plain` runs it
 
   def roles(self) -> dict[str, tuple[int, ...]]:
     """The argument numbers of each role, by option name."""
@@ -233,6 +234,7 @@ def _resolved(n: int, changed: dict[str, Any], caller: str) -> Options:
   for name, value in changed.items():
     fields.update(_RESOLVE[name](value, caller))
   options = Options(**fields)
+  options = options._replace(plain=_plain(options))
   if changed.keys() & {"argnums", "batch_argnums", "rng_argnums", "state_argnums"}:
     _check_roles(options.roles())
   if changed.keys() & {"aux_reduction", "data_parallel"}:
@@ -304,8 +306,22 @@ PLAIN = Options(
     on_nonfinite="propagate", mesh=None, data_axis=None, param_sharding=None,
     gather="per_microbatch", gather_dtype=None, reduce_dtype=None, return_info=False,
     gradient_noise=False, gradient_dtype=None, checks_finite=True, propagates=True,
-    data_parallel=False,
+    data_parallel=False, plain=True,
 )
+
+
+def _plain(options: Options) -> bool:
+  """Whether ``options`` ask for nothing that the plain scan (:mod:`._plain`) leaves
+  out: no aux, weights, keys, state, per-leaf reduction, mesh, info or noise, the
+  gradient in the parameters' dtypes, and an accumulator at least float32 wide."""
+  accumulator = options.accumulator_dtype
+  return (
+      not (options.has_aux or options.rng_argnums or options.state_argnums)
+      and options.weight_fn is None and options.reduction is None
+      and accumulator is not None and not _core.is_narrow(accumulator)
+      and options.gradient_dtype is None and options.on_nonfinite != "skip_microbatch"
+      and not (options.data_parallel or options.return_info or options.gradient_noise)
+  )
 
 
 def _batch_argnums(value: Any) -> tuple[int, ...]:

@@ -228,7 +228,7 @@ def stats_value_and_grad(
     stats = _statistics(fun, call)
     stats_value, coupling = _stats_loss_at(stats_loss, stats)
     # Pass 2 is the same call, with the coupling as one more (unsplit) argument.
-    pass_2 = _call.traced(dataclasses.replace(call, args=(*call.args, coupling)), linearised)  # type: ignore[arg-type]
+    pass_2 = _call.traced(dataclasses.replace(call, args=(*call.args, coupling)), linearised)
     out, grads, *info = _microbatch.of_call(pass_2)
     correction = stats_value - sum(jnp.vdot(c, s) for c, s in
                                    zip(jax.tree.leaves(coupling), jax.tree.leaves(stats)))
