@@ -3,7 +3,7 @@
 ``bench/bench_microbatch.py`` and ``bench/bench_sharded.py`` take minutes, so the
 suite does not run them; a renamed option would break them unseen. Here each of
 their rows is built and lowered (not run) on a tiny model, bench_sharded.py's on the
-8 CPU devices of conftest.py. Every loop of ``bench/bench_loop.py`` is built on three
+8 CPU devices of conftest.py; bench_step_memory.py's programs compile on 16 leaves. Every loop of ``bench/bench_loop.py`` is built on three
 leaves in both containers and run for a window: each trains as the others do; its
 memory section compiles on four leaves. Timings are not checked.
 """
@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import bench_loop  # noqa: E402
 import bench_microbatch  # noqa: E402
 import bench_sharded  # noqa: E402
+import bench_step_memory  # noqa: E402
 import models  # noqa: E402
 
 pytestmark = pytest.mark.bench  # left out of the README's command (conftest.py)
@@ -34,6 +35,14 @@ needs_8 = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (fake) devi
 def test_bench_microbatch_builds_each_method(method):
   step, args = bench_microbatch.build_step(method, 2, batch_size=16, width=8, num_layers=1)
   step.lower(*args)
+
+
+def test_bench_step_memory_compiles_each_program_and_sets_it_beside_the_scan():
+  result = bench_step_memory.measure({"layers": 1, "width": 8, "vocab": 16, "context": 4})
+  assert set(result["rows"]) == set(bench_step_memory._programs())
+  assert result["rows"]["hand-written lax.scan"]["vs_hand_written"] == 1.0
+  assert result["tree"]["leaves"] == 16
+  assert "| value_and_grad |" in bench_step_memory.table(result)
 
 
 @needs_8
