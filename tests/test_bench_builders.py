@@ -3,9 +3,10 @@
 ``bench/bench_microbatch.py`` and ``bench/bench_sharded.py`` take minutes, so the
 suite does not run them; a renamed option would break them unseen. Here each of
 their rows is built and lowered (not run) on a tiny model, bench_sharded.py's on the
-8 CPU devices of conftest.py; bench_step_memory.py's programs compile on 16 leaves. Every loop of ``bench/bench_loop.py`` is built on three
-leaves in both containers and run for a window: each trains as the others do; its
-memory section compiles on four leaves. Timings are not checked.
+8 CPU devices of conftest.py; bench_step_memory.py's programs compile on 16 leaves.
+Every loop of ``bench/bench_loop.py`` is built on three leaves in both containers
+and run for a window: each trains as the others do; its memory section compiles on
+four leaves. Timings are not checked.
 """
 
 from __future__ import annotations
