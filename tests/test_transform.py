@@ -4,6 +4,11 @@ Everything runs under ``jax.jit``. To keep compiles few, a sequence of calls run
 as one ``lax.scan`` in :func:`helpers.scan_updates`, whose compiled versions are
 cached per optimizer object; the optimizers are built once by the cached
 factories below. The reference is the same loop over the inner optimizer alone.
+
+The tests of what a call's concrete values decide (the mean of k calls, weights, a
+flush, a non-finite call) also run eagerly (``helpers.with_and_without_jit``), as in
+a loop that never compiles; the others check the same library code on the same
+values under ``jax.jit`` alone.
 """
 
 from __future__ import annotations
@@ -120,7 +125,6 @@ def test_k_calls_give_one_inner_step_on_the_mean_gradient(inner_name):
   assert _ints(accum_jax.optimizer_step(states)) == [(i + 1) // k for i in range(k * windows)]
 
 
-@with_and_without_jit
 def test_clipping_applies_to_the_accumulated_gradient():
   inner = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(1.0))
   params = {"w": jnp.zeros(2)}
@@ -216,7 +220,6 @@ def test_inner_update_executes_only_on_emitting_calls():
   assert step._cache_size() == 1
 
 
-@with_and_without_jit
 def test_inner_state_count_advances_only_on_updates():
   k = 3
   params = make_params()
@@ -242,7 +245,6 @@ def _lr_schedule(count):
         ),
     ],
 )
-@with_and_without_jit
 def test_learning_rate_schedule_counts_optimizer_steps(make_inner):
   k, windows = 2, 3
   params = {"w": jnp.zeros(3)}
@@ -374,7 +376,6 @@ def test_negative_or_nan_weights_are_skipped_under_jit_and_refused_when_concrete
     opt.update(grads[0], state, weight=-1.0)
 
 
-@with_and_without_jit
 def test_unweighted_calls_count_as_weight_one():
   opt = _identity_accumulated(3)
 
@@ -528,7 +529,6 @@ def test_large_finite_gradients_whose_sum_overflows_are_added_not_skipped():
   _assert_zeros(unstack_tree(updates)[1])
 
 
-@with_and_without_jit
 def test_skip_nonfinite_false_adds_nonfinite_gradients():
   params = make_params()
   (g,) = microbatch_grads(params, 1)
@@ -702,7 +702,6 @@ def _scale_by_factor_arg():
   return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update)
 
 
-@with_and_without_jit
 def test_extra_args_reach_the_inner_optimizer_also_inside_chain():
   accumulated = accum_jax.accumulate(_scale_by_factor_arg(), 2)
   chained = optax.chain(optax.clip(100.0), accumulated)
@@ -725,7 +724,6 @@ def test_extra_args_reach_the_inner_optimizer_also_inside_chain():
   )
 
 
-@with_and_without_jit
 def test_inject_hyperparams_inner_keeps_working():
   inner = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
   opt = accum_jax.accumulate(inner, 2)
@@ -816,7 +814,6 @@ def _value_recorder(k, reduction="mean"):
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
-@with_and_without_jit
 def test_value_and_grad_given_to_the_inner_optimizer_are_the_windows(reduction):
   k = 4
   params = make_params()
@@ -883,7 +880,6 @@ def test_flush_none_is_no_flush_and_a_float_flush_is_an_error():
 # 11c. Narrow accumulators and complex parameters.
 
 
-@with_and_without_jit
 def test_float16_window_with_a_total_weight_of_1e5_applies_the_weighted_mean():
   # 1000 tokens x a gradient of 100, and a window weighing 1e5 in all: beyond
   # float16 as sums, finite as a mean.
@@ -903,7 +899,6 @@ def test_float16_window_with_a_total_weight_of_1e5_applies_the_weighted_mean():
     assert float(states.window_weight[-2]) == 1e5 - 20000.0
 
 
-@with_and_without_jit
 @pytest.mark.parametrize("layout", ["packed", "tree"])
 def test_a_float16_sum_that_overflows_is_skipped_and_counted(layout):
   params = {"w": jnp.zeros(1, jnp.float16)}
