@@ -113,16 +113,16 @@ def zeros_like(x: Any, dtype: Any = None) -> jax.Array:
 def loop_zeros(x: Any, dtype: Any = None) -> jax.Array:
   """Zeros shaped like ``x`` as a loop's initial carry, in ``dtype`` (default ``x``'s).
 
-  A constant, as a hand-written scan's zeros are, where nothing needs placing:
-  ``x`` on one device, or explicitly sharded (the type's sharding is kept). There
-  :func:`zeros_like`'s expression of ``x`` would be a buffer of its own beside the
-  loop's (on GPT-2 small's tree in bfloat16, the step needed 1.62x the hand-written
-  scan's memory beyond its arguments with it, 0.99x without;
-  ``bench/bench_step_memory.py``), and inside ``shard_map`` over every axis of
-  its mesh. Where ``x`` lives on a mesh with an automatic axis of several devices,
-  whose placement the trace cannot see, the expression places the carry as ``x``
-  is placed (``DataParallel(split="strided")`` without a mesh: 26.9 MiB a device
-  at 8, against 30.7 with constant zeros).
+  A constant, as a hand-written scan's zeros are, wherever nothing needs placing:
+  ``x`` on one device, explicitly sharded (the type's sharding is kept), or inside
+  ``shard_map`` over every axis of its mesh. There :func:`zeros_like`'s expression
+  of ``x`` would be a buffer of its own beside the loop's (on GPT-2 small's tree in
+  bfloat16, the step needed 1.62x the hand-written scan's memory beyond its
+  arguments with it, 0.99x without; ``bench/bench_step_memory.py``). Where ``x``
+  lives on a mesh with an automatic axis of several devices, whose placement the
+  trace cannot see, the expression places the carry as ``x`` is placed
+  (``DataParallel(split="strided")`` without a mesh: 26.9 MiB a device at 8,
+  against 30.7 with constant zeros).
   """
   dtype = jax.dtypes.canonicalize_dtype(x.dtype if dtype is None else dtype)
   if isinstance(x, jax.core.Tracer) and not explicitly_sharded(x):

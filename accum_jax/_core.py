@@ -123,14 +123,6 @@ def init(
   )
 
 
-def zeros(tree: Any, accumulator_dtype: Any = jnp.float32) -> Any:
-  """The initial carry of a loop's sums shaped like ``tree``, each leaf in its
-  accumulator dtype (:func:`accumulator_dtype_for`), made by :func:`loop_zeros`:
-  the totals of ``init(..., in_loop=True)`` where every leaf is a "mean"."""
-  return jax.tree.map(functools.partial(
-      _sum_zeros, kind="mean", accumulator_dtype=accumulator_dtype, make=loop_zeros), tree)
-
-
 def per_leaf(kinds: Any, tree: Any) -> list[str]:
   """One kind per leaf of ``tree``: ``kinds`` is None (all "mean"), a kind, or one per leaf."""
   num_leaves = len(jax.tree.leaves(tree))

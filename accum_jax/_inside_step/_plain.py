@@ -53,7 +53,7 @@ def run(call: _call.Bound, grad_fun: _trace.Checked) -> tuple[jax.Array, Any]:
     return jax.tree.map(_added, sums, out.grads), (out.value, out.raw_value)
 
   step = jax.named_call(step, name="accum_jax_microbatch")
-  zeros = _core.zeros(params, options.accumulator_dtype)
+  zeros = _core.init(params, options.accumulator_dtype, in_loop=True).total
   sums, (values, losses) = jax.lax.scan(step, zeros, (jnp.arange(n), batch))
   value = jnp.sum(values)  # the shares of the batch's mean, summed
   skipped = None
