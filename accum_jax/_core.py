@@ -228,6 +228,12 @@ def map_kinds(fun: Any, kinds: Any, tree: Any, *rest: Any, statistic: Any = None
   return jax.tree.map(by_kind, tree, *rest, kinds_tree)
 
 
+def holds_mean(total: jax.Array) -> bool:
+  """Whether an accumulator's leaf holds the running mean (a narrow one), not a sum:
+  what the modules built on the core ask, here ``is_narrow`` of its dtype."""
+  return is_narrow(total.dtype)
+
+
 def add(
     acc: Accumulator,
     tree: Any,
@@ -383,6 +389,17 @@ def share_result(
     return statistic_result(total, x.dtype, acc.weight)
 
   return map_kinds(finish, kinds, acc.total, like, statistic=kept)
+
+
+def total_for(value: jax.Array, weight: jax.Array, kind: str) -> jax.Array:
+  """:func:`result` undone for a "mean" or "sum" leaf: what an accumulator in the
+  dtype of ``value`` holds when its result at ``weight`` is ``value``."""
+  if is_narrow(value.dtype):  # holds the mean
+    if kind == "mean":
+      return value
+    divisor = jnp.where(weight > 0, weight, 1.0)
+    return (value.astype(jnp.float32) / divisor).astype(value.dtype)
+  return value * weight.astype(value.dtype) if kind == "mean" else value
 
 
 def _narrow_result(mean: jax.Array, weight: jax.Array, kind: str) -> jax.Array:

@@ -113,11 +113,11 @@ def squared_norm(tree: Any) -> jax.Array:
 
 def mean_squared_norm(totals: list[jax.Array], factor: jax.Array) -> jax.Array:
   """``|mean|^2`` of accumulated gradient leaves, without forming the mean (a copy
-  of the gradient): a wide total is a sum, whose mean is ``factor`` times it; a
-  narrow one (float16, bfloat16) already holds the mean."""
-  wide = squared_norm([t for t in totals if not _core.is_narrow(t.dtype)])
-  narrow = squared_norm([t for t in totals if _core.is_narrow(t.dtype)])
-  return factor * factor * wide + narrow
+  of the gradient): a total is a sum, whose mean is ``factor`` times it, or holds
+  the mean already (``_core.holds_mean``: a narrow accumulator)."""
+  sums = squared_norm([t for t in totals if not _core.holds_mean(t)])
+  means = squared_norm([t for t in totals if _core.holds_mean(t)])
+  return factor * factor * sums + means
 
 
 def zero_sums() -> NoiseSums:

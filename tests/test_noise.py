@@ -264,6 +264,32 @@ def test_one_steps_estimate_is_the_formula_on_the_small_batches_gradients():
                              rtol=1e-5)
 
 
+@pytest.mark.parametrize("door", ["inside a step", "across calls"])
+def test_a_bfloat16_running_mean_gives_the_float32_sums_estimate(door):
+  # accumulator_dtype=None keeps bfloat16 gradients' running mean, not their sum:
+  # the mean's norm is read off it as it is (the sums' is scaled by 1 / weight).
+  x, y, mask = (jnp.asarray(a[0], jnp.bfloat16) for a in make_batches(7, steps=1))
+  w = jnp.asarray(W, jnp.bfloat16)
+
+  def estimate(accumulator_dtype):
+    if door == "inside a step":
+      vg = accum_jax.value_and_grad(loss, N, batch_argnums=(1, 2, 3), gradient_noise=True,
+                                    return_info=True, accumulator_dtype=accumulator_dtype)
+      return jax.jit(vg)(w, x, y, mask)[2].gradient_noise
+    opt = accum_jax.accumulate(optax.sgd(0.0), every_k=N, gradient_noise=True,
+                               accumulator_dtype=accumulator_dtype)
+    update = jax.jit(lambda g, s: opt.update(g, s, w)[1])
+    state, rows = opt.init(w), BATCH // N
+    for i in range(N):
+      part = slice(i * rows, (i + 1) * rows)
+      state = update(jax.grad(loss)(w, x[part], y[part], mask[part]), state)
+    return accum_jax.noise.last_window(state)
+
+  narrow, wide = estimate(None), estimate(jnp.float32)
+  for field in ("grad_sq", "trace_cov"):
+    np.testing.assert_allclose(getattr(narrow, field), getattr(wide, field), rtol=0.05)
+
+
 def test_the_squared_norm_of_leaves_of_every_kind():
   rng = np.random.default_rng(6)
   tree = {

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import normal, tree_allclose
+from helpers import normal, tolerance_for, tree_allclose
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -314,6 +314,29 @@ def test_narrow_accumulators_with_a_reduce_scatter_per_microbatch_are_refused():
   )
   with pytest.raises(ValueError, match="gather='once'"):
     jax.jit(vg).lower(low, batch)
+
+
+@pytest.mark.parametrize("sharded", [True, False], ids=["fsdp gathered once", "replicated"])
+def test_the_devices_bfloat16_running_means_are_weighed_not_added(sharded):
+  # accumulator_dtype=None keeps bfloat16 gradients' running mean, in bfloat16: after
+  # the loop the devices' means combine weighed by their weights (a psum of them
+  # would be 8 times the gradient), and each device keeps its parameters' shards.
+  mesh, data_axis, specs, params, batch = _place("fsdp")
+  if not sharded:
+    specs = {k: P() for k in specs}
+    params = jax.device_put(make_params(), NamedSharding(mesh, P()))
+  low = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+  vg = accum_jax.value_and_grad(
+      loss_fn, NUM_MICROBATCHES, accumulator_dtype=None,
+      data_parallel=accum_jax.DataParallel(
+          mesh=mesh, data_axis=data_axis, param_sharding=specs, gather="once"),
+  )
+  value, grads = jax.jit(vg)(low, batch)
+  assert all(g.dtype == jnp.bfloat16 for g in jax.tree.leaves(grads))
+  _, full_grads = jax.jit(jax.value_and_grad(loss_fn))(
+      jax.tree.map(lambda x: x.astype(jnp.bfloat16), make_params()), make_batch())
+  tree_allclose(grads, full_grads, rtol=8 * tolerance_for(jnp.bfloat16)["rtol"], atol=1e-3)
+  _assert_sharded_like(grads, params)
 
 
 def test_gradient_noise_aux_and_state_do_not_depend_on_how_parameters_are_sharded():

@@ -66,12 +66,7 @@ def _to_accumulation(
     if _core.is_statistic(kind):
       return acc.astype(jax.dtypes.canonicalize_dtype(jnp.result_type(g)))
     dtype = jnp.promote_types(acc.dtype, jax.dtypes.canonicalize_dtype(jnp.result_type(g)))
-    acc = acc.astype(dtype)
-    if _core.is_narrow(dtype):  # holds the mean
-      if kind == "mean":
-        return acc
-      return (acc.astype(jnp.float32) / jnp.maximum(weight, 1.0)).astype(dtype)
-    return acc * weight.astype(dtype) if kind == "mean" else acc
+    return _core.total_for(acc.astype(dtype), weight, kind)
 
   kinds_tree = jax.tree.unflatten(jax.tree.structure(grads), kinds)
   counts = [count, jnp.asarray(state.gradient_step, jnp.int32)]

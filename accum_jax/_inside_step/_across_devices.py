@@ -21,7 +21,14 @@ from jax.sharding import PartitionSpec as P
 
 from accum_jax import _core
 from accum_jax._inside_step._result import LocalSums
-from accum_jax._inside_step._sharding import LeafPlan, Plan, _spec_entries, spec_axes, spec_of
+from accum_jax._inside_step._sharding import (
+  LeafPlan,
+  Plan,
+  _spec_entries,
+  num_shards,
+  spec_axes,
+  spec_of,
+)
 
 
 def _cast(x: jax.Array, dtype: Any) -> jax.Array:
@@ -85,6 +92,22 @@ def masked(
   return jax.tree.unflatten(jax.tree.structure(tree), leaves)
 
 
+def _own_shard(x: jax.Array, leaf: LeafPlan, plan: Plan) -> jax.Array:
+  for dim, axes in leaf.gathers:
+    size = x.shape[dim] // num_shards(plan.mesh, axes)
+    x = jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(axes) * size, size, dim)
+  return x
+
+
+def own_shards(plan: Plan | None, grads: Any) -> Any:
+  """This device's shard of each sharded leaf of full-size ``grads`` that every
+  device holds alike (the loss's direct gradient, a merged running mean)."""
+  if plan is None or not plan.sharded:
+    return grads
+  leaves = [_own_shard(x, leaf, plan) for x, leaf in zip(jax.tree.leaves(grads), plan.leaves)]
+  return jax.tree.unflatten(plan.treedef, leaves)
+
+
 def _reduce_leaf(x: jax.Array, leaf: LeafPlan, plan: Plan) -> jax.Array:
   """After the loop: a leaf's local sum reduced as the plan says."""
   if leaf.gathers and plan.gather == "once":
@@ -136,10 +159,12 @@ def reduce(
   statistics = [x if _core.is_statistic(k) else None for x, k in zip(local, kinds)]
   rest = [None if _core.is_statistic(k) else x for x, k in zip(local, kinds)]
   grad_leaves, aux_sums = rest[:len(grad_leaves)], rest[len(grad_leaves):]
-  narrow = any(_core.is_narrow(x.dtype) for x in jax.tree.leaves((value, grad_leaves)))
-  if narrow:
+  if any(_core.holds_mean(x) for x in jax.tree.leaves((value, grad_leaves))):
+    # Every device holds the merged mean whole: it keeps its own shards.
     merged = _core.merge(acc._replace(total=(value, grad_leaves)), plan.axes)
     value, grad_leaves = merged.total
+    grad_leaves = [None if g is None else _own_shard(g, leaf, plan)
+                   for g, leaf in zip(grad_leaves, plan.leaves)]
     scalars = (merged.weight, merged.count, merged.num_skipped)
     noise, aux_sums = _psum_exact((sums.noise, aux_sums), plan.axes)
   else:

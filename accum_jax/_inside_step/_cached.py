@@ -104,31 +104,15 @@ class _Devices(NamedTuple):
         tree,
     )
 
-  def own_shards(self, grads: Any) -> Any:
-    """This device's shard of each sharded leaf of full-size ``grads`` that every
-    device holds alike (the loss's direct gradient, a merged running mean)."""
-    plan = self.plan
-    if plan is None or not plan.sharded:
-      return grads
-
-    def shard(x, leaf):
-      for dim, axes in leaf.gathers:
-        size = x.shape[dim] // _sharding.num_shards(plan.mesh, axes)
-        x = jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(axes) * size, size, dim)
-      return x
-
-    leaves = [shard(x, leaf) for x, leaf in zip(jax.tree.leaves(grads), plan.leaves)]
-    return jax.tree.unflatten(plan.treedef, leaves)
-
   def reduce(self, acc: _core.Accumulator) -> _core.Accumulator:
     """The devices' gradient sums added: the one reduction of the step (sharded
     leaves reduce-scattered, per chunk or here, as the plan says)."""
     if self.axis is None:
       return acc
-    if any(_core.is_narrow(x.dtype) for x in jax.tree.leaves(acc.total)):
+    if any(_core.holds_mean(x) for x in jax.tree.leaves(acc.total)):
       # Running means, weighed by the devices' weights (full-size: gather="once").
       merged = _core.merge(acc, self.axis)
-      return merged._replace(total=self.own_shards(merged.total))
+      return merged._replace(total=_across_devices.own_shards(self.plan, merged.total))
     # Every device adds the same number of chunks, so only the sums travel.
     if self.plan is not None and self.plan.sharded:
       total = _across_devices.reduce_grads(self.plan, acc.total)
@@ -263,7 +247,8 @@ def _finalise(options, args, loss: _Loss, acc: _core.Accumulator, devices) -> An
   Every device computed the same loss, so its direct gradient is added once (a
   sharded leaf's: this device's shard of it).
   """
-  acc, _ = _core.add(acc, devices.own_shards(loss.direct), refuse_nonfinite=False)
+  direct = _across_devices.own_shards(devices.plan, loss.direct)
+  acc, _ = _core.add(acc, direct, refuse_nonfinite=False)
   diff = tuple(args[n] for n in options.argnums)
   grads = _core.result(acc, diff, "sum")
   value = loss.value
